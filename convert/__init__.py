@@ -1,0 +1,1 @@
+"""Checkpoint conversion: HF safetensors / GGUF -> MLX bundle (`mlx-glimmer convert`)."""

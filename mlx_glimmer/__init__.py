@@ -1,0 +1,20 @@
+"""mlx-glimmer: lossless block speculative decoding (DFlash) on MLX."""
+
+from .errors import GlimmerError
+from .generate import GenerationChunk, GenerationResult, GenerationStats, generate, stream_generate
+from .loading import Pair, load
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GenerationChunk",
+    "GenerationResult",
+    "GenerationStats",
+    "GlimmerError",
+    "Pair",
+    "SamplingParams",
+    "generate",
+    "load",
+    "stream_generate",
+]

@@ -1,0 +1,381 @@
+"""The DFlash block drafter (`muse_glimmer_assistant`) in MLX.
+
+One forward proposes a whole block: the input is the target's raw embeddings
+of [anchor, mask, mask, ...]; queries come from the block only; keys/values
+are [context ; block], where the context is the projection of the target's
+hidden states at `target_layer_ids` for every committed position. Attention is
+bidirectional: every block query sees every block key and the context keys
+within the sliding window. The drafter has no embedding table or output head
+of its own: it borrows the target's.
+
+Also reads z-lab DFlash checkpoints (`DFlashDraftModel`: `fc` / `hidden_norm`
+names, settings in a `dflash_config` block); their math is the same.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .errors import GlimmerError
+
+
+def dflash_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
+    """The DFlash rule for which target layers feed the drafter."""
+    k, n = num_context_layers, num_target_layers
+    if k == 1:
+        return [1]
+    return [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
+
+
+@dataclass
+class DrafterConfig:
+    """`muse_glimmer_assistant` settings; defaults are transformers' own."""
+
+    model_type: str = "muse_glimmer_assistant"
+    hidden_size: int = 6656
+    intermediate_size: int = 19968
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 131072
+    sliding_window: int | None = 2048
+    layer_types: list[str] = field(default_factory=list)
+    block_size: int = 16
+    mask_token_id: int = 201818
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 13, 25, 37, 49])
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    # Largest distance q - k at which a block query still sees a context key on
+    # a sliding layer. transformers' create_bidirectional_sliding_window_mask
+    # allows |q - k| <= sliding_window; z-lab's loop uses q - k < sliding_window.
+    context_reach: int | None = None
+    source_format: str = "muse_glimmer_assistant"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["sliding_attention"] * self.num_hidden_layers
+        if self.context_reach is None and self.sliding_window is not None:
+            self.context_reach = self.sliding_window
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
+        cfg = dict(raw)
+        fmt = "muse_glimmer_assistant"
+        dflash = cfg.pop("dflash_config", None)
+        if dflash is not None or "DFlashDraftModel" in (cfg.get("architectures") or []):
+            fmt = "dflash"
+            for key in ("block_size", "mask_token_id", "target_layer_ids"):
+                if dflash and key in dflash:
+                    cfg[key] = dflash[key]
+            cfg.setdefault("layer_types", ["full_attention"] * int(cfg.get("num_hidden_layers", 5)))
+            if cfg.get("sliding_window") is not None:
+                cfg.setdefault("context_reach", int(cfg["sliding_window"]) - 1)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if "rope_theta" not in cfg and "rope_theta" in rope:
+            cfg["rope_theta"] = rope["rope_theta"]
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            cfg["rope_scaling"] = rope
+        else:
+            cfg["rope_scaling"] = None
+        fields = set(cls.__dataclass_fields__)
+        out = cls(**{k: v for k, v in cfg.items() if k in fields})
+        out.source_format = fmt
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a transformers `muse_glimmer_assistant` config.json."""
+        d = {
+            "architectures": ["MuseGlimmerAssistantModel"],
+            "model_type": "muse_glimmer_assistant",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})},
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window,
+            "layer_types": self.layer_types,
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
+            "hidden_act": "silu",
+        }
+        if self.vocab_size is not None:
+            d["vocab_size"] = self.vocab_size
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        return d
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.context_reach = cfg.context_reach if sliding else None
+        dim = cfg.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def project_kv(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return rope(k, offset=offset), v
+
+    def __call__(self, x, rope, position: int, context: "ContextCache") -> mx.array:
+        """`x`: block hidden states [B, L, H] at positions position..position+L-1."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = rope(q, offset=position)
+        k_blk, v_blk = self.project_kv(x, rope, position)
+        k_ctx, v_ctx, first_pos = context.fetch()
+        mask = None
+        if k_ctx is not None:
+            keys = mx.concatenate([k_ctx, k_blk], axis=2)
+            values = mx.concatenate([v_ctx, v_blk], axis=2)
+            n_ctx = k_ctx.shape[2]
+            if self.context_reach is not None and position + L - 1 - first_pos > self.context_reach:
+                q_pos = mx.arange(position, position + L)[:, None]
+                k_pos = mx.arange(first_pos, first_pos + n_ctx)[None]
+                ctx_ok = (q_pos - k_pos) <= self.context_reach
+                mask = mx.concatenate([ctx_ok, mx.ones((L, L), dtype=mx.bool_)], axis=1)
+        else:
+            keys, values = k_blk, v_blk
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x, rope, position, context):
+        h = x + self.self_attn(self.input_layernorm(x), rope, position, context)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextProjection(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.output_norm_enc = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, features):
+        return self.output_norm_enc(self.fc(features))
+
+
+class ContextCache:
+    """Per-layer K/V of committed context positions, newest last, bounded by the window."""
+
+    def __init__(self, keep: int | None):
+        self.keep = keep
+        self.keys = None
+        self.values = None
+        self.first_pos = 0
+        self.next_pos = 0
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=2)
+            self.values = mx.concatenate([self.values, v], axis=2)
+        self.next_pos += k.shape[2]
+        if self.keep is not None and self.keys.shape[2] > self.keep:
+            drop = self.keys.shape[2] - self.keep
+            self.keys = self.keys[..., drop:, :]
+            self.values = self.values[..., drop:, :]
+            self.first_pos += drop
+
+    def fetch(self):
+        return self.keys, self.values, self.first_pos
+
+
+class DFlashModel(nn.Module):
+    """The drafter's weights and forward; bound to a target's embedding and head by `DFlashDrafter`."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.encoder = ContextProjection(cfg)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            cfg.head_dim,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def make_context(self) -> list[ContextCache]:
+        out = []
+        for layer in self.layers:
+            reach = layer.self_attn.context_reach
+            out.append(ContextCache(None if reach is None else reach + 1))
+        return out
+
+    def extend_context(self, features: mx.array, context: list[ContextCache]) -> None:
+        """Project target features [B, n, k*H] of the next n positions into every layer's context K/V."""
+        ctx = self.encoder(features)
+        for layer, c in zip(self.layers, context):
+            k, v = layer.self_attn.project_kv(ctx, self.rope, c.next_pos)
+            c.append(k, v)
+
+    def __call__(self, noise_embeds: mx.array, position: int, context: list[ContextCache]) -> mx.array:
+        h = noise_embeds
+        for layer, c in zip(self.layers, context):
+            h = layer(h, self.rope, position, c)
+        return self.norm(h)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = {}
+        for k, v in weights.items():
+            k = k.removeprefix("model.")
+            if k.startswith("fc."):
+                k = "encoder." + k
+            elif k.startswith("hidden_norm."):
+                k = "encoder.output_norm_enc." + k[len("hidden_norm.") :]
+            if k.startswith(("embed_tokens.", "lm_head.")):
+                continue
+            out[k] = v
+        return out
+
+
+def read_drafter_config(path: Path) -> DrafterConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise GlimmerError(f"{cfg_file}: drafter config.json not found")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise GlimmerError(f"{cfg_file}: not valid JSON ({e})") from None
+    return DrafterConfig.from_dict(raw)
+
+
+def load_dflash_model(path: Path, config: DrafterConfig | None = None) -> DFlashModel:
+    path = Path(path)
+    config = config or read_drafter_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise GlimmerError(f"{path}: no *.safetensors weights for the drafter")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # a truncated or foreign file
+            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
+    weights = DFlashModel.sanitize(weights)
+    model = DFlashModel(config)
+    quant = json.loads((path / "config.json").read_text()).get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise GlimmerError(f"{path}: drafter weights do not match its config.json ({e})") from None
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+class DFlashDrafter:
+    """A DFlash model bound to its target: proposes a block from the committed context."""
+
+    kind = "dflash"
+
+    def __init__(self, model: DFlashModel, target):
+        self.model = model
+        self.target = target
+        self.config = model.config
+        self.target_layer_ids = tuple(self.config.target_layer_ids)
+        self.block_size = int(self.config.block_size)
+        self.mask_token_id = int(self.config.mask_token_id)
+        self.context: list[ContextCache] = []
+        self._pending: list[mx.array] = []
+        self._pending_len = 0
+
+    def reset(self) -> None:
+        self.context = self.model.make_context()
+        self._pending, self._pending_len = [], 0
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next context entry, i.e. of the next anchor."""
+        return (self.context[0].next_pos if self.context else 0) + self._pending_len
+
+    def observe(self, features: mx.array) -> None:
+        """Target features [n, k*H] of the next n committed (target-processed) positions."""
+        self._pending.append(features)
+        self._pending_len += features.shape[0]
+        if self._pending_len >= 512:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        feats = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, axis=0)
+        self._pending, self._pending_len = [], 0
+        self.model.extend_context(feats[None], self.context)
+
+    def rollback(self, n: int) -> None:
+        raise NotImplementedError("DFlash context holds committed positions only")
+
+    def block_hidden(self, anchor: int, count: int) -> mx.array:
+        """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""
+        self._flush()
+        position = self.position
+        ids = mx.array([anchor] + [self.mask_token_id] * count)
+        return self.model(self.target.embed(ids)[None], position, self.context)[0]
+
+    def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
+        from .sampling import probabilities, sample
+
+        logits = self.target.head(self.block_hidden(anchor, count)[1:])
+        if params.greedy:
+            return mx.argmax(logits, axis=-1), None
+        probs = probabilities(logits, params)
+        return sample(probs, key), probs

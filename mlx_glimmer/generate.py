@@ -1,0 +1,175 @@
+"""The Python API: `generate` and `stream_generate` over a loaded pair.
+
+Prompts may be a string (encoded by the tokenizer, which adds BOS if it
+does so by itself), a list of token ids (used exactly as given), or chat
+messages (rendered with the tokenizer's chat template, generation prompt
+appended). Stop tokens are the tokenizer's EOS ids; a stop token ends the
+answer and is not part of `token_ids` or `text`.
+
+Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
+    ttft_s                      start of the call -> first token known (includes prefill)
+    prefill_tokens_per_second   prompt tokens / prefill time
+    decode_tokens_per_second    tokens after the first / time from first token to last
+    acceptance_lengths[i]       tokens committed by target call i after prefill
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from .errors import GlimmerError
+from .loading import Pair
+from .sampling import SamplingParams
+from .speculative import generate_steps
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    ttft_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None
+    drafter_kind: str = "none"
+    block_size: int = 1
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def mean_acceptance(self) -> float:
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mean_acceptance"] = self.mean_acceptance
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # tokens committed in this chunk (stop token excluded)
+    stats: GenerationStats  # running totals
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None = None) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    prompt = list(prompt)
+    if not prompt:
+        raise GlimmerError("the prompt is empty")
+    if all(isinstance(t, int) for t in prompt):
+        return prompt
+    if all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise GlimmerError("this tokenizer has no chat template; pass a plain string prompt")
+        text = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    raise GlimmerError("a prompt is a string, a list of token ids, or a list of {'role', 'content'} messages")
+
+
+def stream_generate(
+    pair: Pair,
+    prompt: Prompt,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    seed: int = 0,
+    speculative: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> Iterator[GenerationChunk]:
+    try:
+        params = SamplingParams(temperature, top_p, top_k)
+    except ValueError as e:
+        raise GlimmerError(str(e)) from None
+    tokens = encode_prompt(pair.tokenizer, prompt, chat_template_kwargs)
+    vocab = pair.target.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise GlimmerError(f"prompt token ids must lie in [0, {vocab})")
+    drafter = pair.drafter if speculative else None
+    if block_size is None:
+        block_size = drafter.block_size if drafter is not None else 1
+    if block_size < 1:
+        raise GlimmerError(f"block_size must be >= 1, got {block_size}")
+    stats = GenerationStats(
+        prompt_tokens=len(tokens),
+        drafter_kind=drafter.kind if drafter is not None else "none",
+        block_size=block_size if drafter is not None else 1,
+    )
+    detok = pair.tokenizer.detokenizer
+    detok.reset()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first_at = last_at = start
+    steps = generate_steps(
+        pair.target,
+        tokens,
+        drafter=drafter,
+        params=params,
+        block_size=block_size,
+        max_tokens=max_tokens,
+        stop_ids=pair.tokenizer.eos_token_ids,
+        seed=seed,
+    )
+    for step in steps:
+        now = time.perf_counter()
+        new = step.tokens[:-1] if step.stopped else step.tokens
+        if step.prefill_tokens:
+            first_at = now
+            stats.ttft_s = now - start
+            stats.prefill_tokens_per_second = step.prefill_tokens / max(step.verify_s, 1e-9)
+        else:
+            last_at = now
+            stats.target_forwards += 1
+            stats.acceptance_lengths.append(len(step.tokens))
+            stats.draft_s += step.draft_s
+            stats.verify_s += step.verify_s
+        stats.generated_tokens += len(new)
+        if stats.generated_tokens > 1 and last_at > first_at:
+            stats.decode_tokens_per_second = (stats.generated_tokens - 1) / (last_at - first_at)
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if step.stopped:
+            stats.finish_reason = "stop"
+        elif stats.generated_tokens >= max_tokens:
+            stats.finish_reason = "length"
+        for t in new:
+            detok.add_token(t)
+        if stats.finish_reason is not None:
+            detok.finalize()
+        yield GenerationChunk(detok.last_segment, new, stats)
+    if stats.finish_reason is None:  # max_tokens == 0
+        stats.finish_reason = "length"
+
+
+def generate(pair: Pair, prompt: Prompt, **kwargs) -> GenerationResult:
+    """Generate a whole answer; keywords as `stream_generate`."""
+    text, ids, stats = [], [], GenerationStats()
+    for chunk in stream_generate(pair, prompt, **kwargs):
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        stats = chunk.stats
+    return GenerationResult("".join(text), ids, stats)

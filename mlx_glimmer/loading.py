@@ -1,0 +1,184 @@
+"""Opening a target/drafter pair: from a bundle, or from transformers-layout directories.
+
+BUNDLE layout (DESIGN.md section 2):
+    BUNDLE/glimmer.json   {"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter" | null, ...}
+    BUNDLE/target/        an mlx-lm model directory (mlx_lm.load opens it as is)
+    BUNDLE/drafter/       config.json + *.safetensors (no embedding, no lm_head)
+
+A transformers directory of Muse Glimmer holds the vision tower and projector
+as well; they are dropped here (we serve the text tower).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
+
+from .drafter import DFlashDrafter, DrafterConfig, load_dflash_model, read_drafter_config
+from .errors import GlimmerError
+from .target import Target
+
+BUNDLE_FORMAT = "mlx-glimmer/1"
+TEXT_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
+
+
+@dataclass
+class Pair:
+    target: Target
+    drafter: DFlashDrafter | None
+    tokenizer: TokenizerWrapper
+    target_path: Path
+    drafter_path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.target_path.parent.name if self.target_path.name == "target" else self.target_path.name
+
+    @property
+    def quantization(self) -> str:
+        q = self.target.config.get("quantization")
+        return f"{q['bits']}-bit" if q else str(self.target.config.get("torch_dtype") or self.target.config.get("dtype") or "float")
+
+
+def _text_tower_classes(config: dict):
+    model_class, args_class = _get_classes(config)
+
+    class TextTower(model_class):
+        def sanitize(self, weights):
+            if any(k.startswith(TEXT_PREFIXES[:2]) for k in weights):
+                weights = {k: v for k, v in weights.items() if k.startswith(TEXT_PREFIXES)}
+            if hasattr(model_class, "sanitize"):
+                weights = model_class.sanitize(self, weights)
+            return weights
+
+    TextTower.__name__ = model_class.__name__
+    return TextTower, args_class
+
+
+def _check_model_dir(path: Path, what: str) -> None:
+    if not path.exists():
+        raise GlimmerError(f"{path}: {what} directory not found")
+    if not path.is_dir():
+        raise GlimmerError(f"{path}: {what} must be a directory")
+    if not (path / "config.json").is_file():
+        raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
+    if not list(path.glob("*.safetensors")):
+        raise GlimmerError(f"{path}: no *.safetensors weights for the {what}")
+
+
+def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
+    path = Path(path)
+    _check_model_dir(path, "target")
+    try:
+        config = load_config(path)
+    except json.JSONDecodeError as e:
+        raise GlimmerError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if "model_type" not in config:
+        raise GlimmerError(f"{path / 'config.json'}: no model_type field")
+    try:
+        _get_classes(config)
+    except ValueError:
+        raise GlimmerError(f"{path / 'config.json'}: model_type {config['model_type']!r} is not supported by mlx-lm") from None
+    for f in path.glob("*.safetensors"):
+        _check_safetensors(f)
+    try:
+        model, config = load_model(path, get_model_classes=_text_tower_classes)
+    except ValueError as e:
+        raise GlimmerError(f"{path}: target weights do not match its config.json ({e})") from None
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    tokenizer = load_tokenizer(path, eos_token_ids=eos)
+    return Target(model, config), tokenizer
+
+
+def _check_safetensors(path: Path) -> None:
+    """A truncated safetensors file fails here with its name, not deep inside a load."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if path.stat().st_size < 8 + header_len + end:
+            raise GlimmerError(f"{path}: truncated safetensors file ({path.stat().st_size} bytes, header promises {8 + header_len + end})")
+    except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError):
+        raise GlimmerError(f"{path}: not a safetensors file") from None
+
+
+def validate_pair(target: Target, cfg: DrafterConfig, drafter_path: Path) -> None:
+    where = drafter_path / "config.json"
+    if cfg.hidden_size != target.hidden_size:
+        raise GlimmerError(f"{where}: hidden_size {cfg.hidden_size} does not match the target's {target.hidden_size}")
+    n = target.num_layers
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
+    if bad:
+        raise GlimmerError(f"{where}: target_layer_ids {bad} out of range for a {n}-layer target")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
+        raise GlimmerError(f"{where}: num_target_layers {cfg.num_target_layers} does not match the target's {n} layers")
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise GlimmerError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's {target.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise GlimmerError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({target.vocab_size})")
+    if cfg.block_size < 2:
+        raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
+
+
+def load_drafter(path: Path, target: Target) -> DFlashDrafter:
+    path = Path(path)
+    _check_model_dir(path, "drafter")
+    cfg = read_drafter_config(path)
+    validate_pair(target, cfg, path)
+    for f in path.glob("*.safetensors"):
+        _check_safetensors(f)
+    return DFlashDrafter(load_dflash_model(path, cfg), target)
+
+
+def read_bundle_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / "glimmer.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise GlimmerError(f"{manifest_path}: not valid JSON ({e})") from None
+    if manifest.get("format") != BUNDLE_FORMAT:
+        raise GlimmerError(f"{manifest_path}: format {manifest.get('format')!r}, expected {BUNDLE_FORMAT!r}")
+    if not isinstance(manifest.get("target"), str):
+        raise GlimmerError(f"{manifest_path}: field 'target' must name the target directory")
+    return manifest
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    target: str | Path | None = None,
+    drafter: str | Path | None = None,
+    use_drafter: bool = True,
+) -> Pair:
+    """Open a pair: `load(BUNDLE)` or `load(target=DIR, drafter=DIR)`.
+
+    `drafter=` beside a bundle replaces the bundle's drafter; `use_drafter=False`
+    skips it (plain decoding only).
+    """
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise GlimmerError(f"{path}: no such bundle or directory")
+        if (path / "glimmer.json").is_file():
+            manifest = read_bundle_manifest(path)
+            target_path = path / manifest["target"]
+            if drafter is None and manifest.get("drafter"):
+                drafter = path / manifest["drafter"]
+        else:
+            target_path = path
+    elif target is not None:
+        target_path = Path(target)
+    else:
+        raise GlimmerError("no model given: pass a bundle path or target=DIR")
+    tgt, tokenizer = load_target(target_path)
+    drafter_path = Path(drafter) if (drafter is not None and use_drafter) else None
+    d = load_drafter(drafter_path, tgt) if drafter_path is not None else None
+    mx.eval(tgt.model.parameters())
+    return Pair(tgt, d, tokenizer, target_path, drafter_path)

@@ -1,0 +1,154 @@
+"""The target model as the speculative loop sees it.
+
+The target is an ordinary mlx-lm model. We need three things from it that its
+`__call__` does not give: the outputs of a few decoder layers (the drafter's
+context features), the final hidden states without the output head (so a long
+prefill computes logits for its last position only), and the output head as a
+function (the drafter borrows it). None of this copies mlx-lm's model code:
+capture swaps the class of the chosen layer objects for a subclass that records
+what the original `__call__` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import make_rollback_cache
+
+
+class FeatureRecorder:
+    """Collects the outputs of the captured layers during one target forward."""
+
+    def __init__(self, layer_ids: tuple[int, ...]):
+        self.layer_ids = tuple(layer_ids)
+        self.active = bool(layer_ids)
+        self.outputs: dict[int, mx.array] = {}
+
+    def features(self) -> mx.array | None:
+        """The captured layer outputs concatenated on the last axis, in `layer_ids` order."""
+        if not self.active:
+            return None
+        missing = [i for i in self.layer_ids if i not in self.outputs]
+        if missing:
+            raise RuntimeError(f"target layers {missing} were not run")
+        out = mx.concatenate([self.outputs[i] for i in self.layer_ids], axis=-1)
+        self.outputs = {}
+        return out
+
+
+_capturing_classes: dict[type, type] = {}
+
+
+def _capturing_class(cls: type) -> type:
+    if cls not in _capturing_classes:
+
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            recorder = self._glimmer_recorder
+            if recorder.active:
+                recorder.outputs[self._glimmer_layer_id] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _capturing_classes[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
+    return _capturing_classes[cls]
+
+
+def decoder_layers(model: nn.Module) -> list:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None) if inner is not None else None
+    if layers is None:
+        layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return list(layers)
+
+
+def capture_layers(model: nn.Module, layer_ids: tuple[int, ...]) -> FeatureRecorder:
+    recorder = FeatureRecorder(layer_ids)
+    layers = decoder_layers(model)
+    for i in layer_ids:
+        layer = layers[i]
+        base = type(layer)
+        if base in _capturing_classes.values():
+            base = base.__mro__[1]
+        layer.__class__ = _capturing_class(base)
+        object.__setattr__(layer, "_glimmer_recorder", recorder)
+        object.__setattr__(layer, "_glimmer_layer_id", i)
+    return recorder
+
+
+def make_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """hidden states after the final norm -> logits, exactly as `model.__call__` does it."""
+    args = getattr(model, "args", None)
+    lm_head = model.get("lm_head") if isinstance(model, dict) else None
+    if lm_head is not None:
+        project = lm_head
+    else:
+        project = model.model.embed_tokens.as_linear
+    multiplier = getattr(args, "output_multiplier", None)
+    cap = getattr(args, "final_logit_softcapping", None)
+
+    def head(h: mx.array) -> mx.array:
+        out = project(h)
+        if multiplier is not None:
+            out = out * multiplier
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    return head
+
+
+@dataclass
+class Target:
+    """An mlx-lm model with feature capture, a split head and rollback-safe caches."""
+
+    model: nn.Module
+    config: dict
+    recorder: FeatureRecorder = field(init=False)
+    head: Callable[[mx.array], mx.array] = field(init=False)
+
+    def __post_init__(self):
+        self.recorder = FeatureRecorder(())
+        self.head = make_head(self.model)
+
+    @property
+    def args(self):
+        return self.model.args
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.args.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.args.vocab_size)
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.model.args, "model_type", self.config.get("model_type", "")))
+
+    def capture(self, layer_ids: tuple[int, ...]) -> None:
+        self.recorder = capture_layers(self.model, tuple(layer_ids))
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Raw rows of the token embedding table (no model-specific scaling or norm)."""
+        return self.model.model.embed_tokens(ids)
+
+    def make_cache(self, reserve: int) -> list:
+        return make_rollback_cache(self.model, reserve)
+
+    def forward(self, tokens: mx.array, cache: list, capture: bool) -> tuple[mx.array, mx.array | None]:
+        """Run `tokens` (shape [L]) through the decoder; return final hidden states [L, H] and features."""
+        self.recorder.active = capture and bool(self.recorder.layer_ids)
+        hidden = self.model.model(tokens[None], cache=cache)[0]
+        features = self.recorder.features()
+        return hidden, (features[0] if features is not None else None)

@@ -1,0 +1,190 @@
+"""Build tiny random checkpoints with transformers, the way Meta's are laid out.
+
+Everything here is test scaffolding: small Muse Glimmer / llama targets, their
+assistant (DFlash) drafters and a byte-level tokenizer, written with
+`save_pretrained` so our loader reads exactly what transformers writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BYTE_TOKENS = 256
+SPECIALS = ["<|begin|>", "<|end|>", "<|eom|>", "<|mask|>", "<|user|>", "<|assistant|>"]
+VOCAB_SIZE = 272  # bytes + specials, padded
+BOS_ID, EOS_ID, EOM_ID, MASK_ID = 256, 257, 258, 259
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{% else %}<|assistant|>{% endif %}"
+    "{{ m['content'] }}<|eom|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: every byte is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # Order the 256 byte characters by their byte value so ids are stable.
+    mapping = _bytes_to_unicode()
+    vocab = {mapping[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin|>",
+        eos_token="<|end|>",
+        mask_token="<|mask|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def randomise_norms(model: torch.nn.Module, seed: int) -> None:
+    """Give every norm weight a random value so a wrong norm convention shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and param.ndim == 1:
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+
+
+def build_muse_target(
+    path: Path,
+    *,
+    layers: int = 8,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    sliding_window: int = 8,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_window=sliding_window,
+        max_position_embeddings=4096,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        output_multiplier=1.0,
+    )
+    vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    config = MuseGlimmerConfig(
+        text_config=text, vision_config=vision, out_hidden_size=32, projector_hidden_size=32
+    )
+    model = MuseGlimmerForConditionalGeneration(config).float().eval()
+    # The default init is small (std 0.02); a larger scale gives peaked, varied logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "language_model" in name or name.startswith("lm_head"):
+                param.normal_(0.0, 0.15)
+    randomise_norms(model, seed + 1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    write_tokenizer(path)
+    return path
+
+
+def build_llama_target(path: Path, *, layers: int = 6, hidden: int = 64, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, 0.15)
+    randomise_norms(model, seed + 1)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+def build_assistant(
+    path: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    target_layer_ids: list[int] | None = None,
+    sliding_window: int = 8,
+    block_size: int = 16,
+    seed: int = 1,
+    **overrides,
+) -> Path:
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    torch.manual_seed(seed)
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=sliding_window,
+        block_size=block_size,
+        mask_token_id=MASK_ID,
+        target_layer_ids=target_layer_ids or [1, 3, 5],
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        **overrides,
+    )
+    model = MuseGlimmerAssistantModel(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, 0.15)
+    randomise_norms(model, seed + 1)
+    model.save_pretrained(path, safe_serialization=True)
+    # Meta's published config carries neither of these.
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("vocab_size", None)
+    cfg.pop("num_target_layers", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return path
