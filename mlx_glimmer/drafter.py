@@ -4,8 +4,9 @@ One forward proposes a whole block: the input is the target's raw embeddings
 of [anchor, mask, mask, ...]; queries come from the block only; keys/values
 are [context ; block], where the context is the projection of the target's
 hidden states at `target_layer_ids` for every committed position. Attention is
-bidirectional: every block query sees every block key and the context keys
-within the sliding window. The drafter has no embedding table or output head
+bidirectional; on sliding layers a query at position q sees a key (context or
+block) at k iff |q - k| <= sliding_window, the rule of transformers'
+`create_bidirectional_sliding_window_mask`. The drafter has no embedding table or output head
 of its own: it borrows the target's.
 
 Also reads z-lab DFlash checkpoints (`DFlashDraftModel`: `fc` / `hidden_norm`
@@ -151,18 +152,17 @@ class Attention(nn.Module):
         q = rope(q, offset=position)
         k_blk, v_blk = self.project_kv(x, rope, position)
         k_ctx, v_ctx, first_pos = context.fetch()
-        mask = None
         if k_ctx is not None:
             keys = mx.concatenate([k_ctx, k_blk], axis=2)
             values = mx.concatenate([v_ctx, v_blk], axis=2)
-            n_ctx = k_ctx.shape[2]
-            if self.context_reach is not None and position + L - 1 - first_pos > self.context_reach:
-                q_pos = mx.arange(position, position + L)[:, None]
-                k_pos = mx.arange(first_pos, first_pos + n_ctx)[None]
-                ctx_ok = (q_pos - k_pos) <= self.context_reach
-                mask = mx.concatenate([ctx_ok, mx.ones((L, L), dtype=mx.bool_)], axis=1)
         else:
-            keys, values = k_blk, v_blk
+            keys, values, first_pos = k_blk, v_blk, position
+        mask = None
+        # Sliding layers: a query sees keys (context or block) with |q - k| <= reach.
+        if self.context_reach is not None and position + L - 1 - first_pos > self.context_reach:
+            q_pos = mx.arange(position, position + L)[:, None]
+            k_pos = mx.arange(first_pos, position + L)[None]
+            mask = mx.abs(q_pos - k_pos) <= self.context_reach
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -347,7 +347,7 @@ class DFlashDrafter:
         """Absolute position of the next context entry, i.e. of the next anchor."""
         return (self.context[0].next_pos if self.context else 0) + self._pending_len
 
-    def observe(self, features: mx.array) -> None:
+    def observe(self, tokens: list[int], features: mx.array) -> None:
         """Target features [n, k*H] of the next n committed (target-processed) positions."""
         self._pending.append(features)
         self._pending_len += features.shape[0]
@@ -360,9 +360,6 @@ class DFlashDrafter:
         feats = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, axis=0)
         self._pending, self._pending_len = [], 0
         self.model.extend_context(feats[None], self.context)
-
-    def rollback(self, n: int) -> None:
-        raise NotImplementedError("DFlash context holds committed positions only")
 
     def block_hidden(self, anchor: int, count: int) -> mx.array:
         """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""

@@ -9,8 +9,9 @@ A drafter is any object with:
     kind: str                       name for stats ("dflash", ...)
     target_layer_ids: tuple[int]    target layers whose outputs it reads (may be empty)
     reset() -> None                 start a new sequence
-    observe(features) -> None       features [n, k*H] (or None) of the next n committed
-                                    positions the target has processed
+    observe(tokens, features) -> None
+                                    the next n committed token ids the target has processed,
+                                    and their features [n, k*H] (None without target_layer_ids)
     propose(anchor, count, params, key) -> (tokens [count], probs [count, V] | None)
                                     probs None means the tokens are deterministic
 """
@@ -76,7 +77,7 @@ def generate_steps(
         chunk = prompt_arr[start : start + prefill_step]
         hidden, feats = target.forward(chunk, cache, capture)
         if drafter is not None:
-            drafter.observe(feats)
+            drafter.observe(list(prompt[start : start + prefill_step]), feats)
         if start + prefill_step < len(prompt):
             mx.eval([c.state for c in cache], feats if feats is not None else [])
     key, sub = mx.random.split(key)
@@ -103,9 +104,10 @@ def generate_steps(
         hidden, feats = target.forward(tokens_in, cache, capture)
         n, nxt = _choose(target.head(hidden), draft, draft_probs, params, k_accept)
         trim_cache(cache, b - 1 - n)
+        accepted = draft[:n].tolist()
         if drafter is not None:
-            drafter.observe(feats[: n + 1] if feats is not None else None)
-        committed = draft[:n].tolist() + [nxt]
+            drafter.observe([anchor] + accepted, feats[: n + 1] if feats is not None else None)
+        committed = accepted + [nxt]
         stopped = False
         for i, t in enumerate(committed):
             if t in stop:
