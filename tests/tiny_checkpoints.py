@@ -81,12 +81,14 @@ def build_muse_target(
     sliding_window: int = 8,
     seed: int = 0,
     max_shard_size: str | None = None,
+    vocab_size: int = VOCAB_SIZE,
+    weight_std: float = 0.15,
 ) -> Path:
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
     torch.manual_seed(seed)
     text = dict(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
@@ -95,9 +97,9 @@ def build_muse_target(
         head_dim=head_dim,
         sliding_window=sliding_window,
         max_position_embeddings=4096,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
+        bos_token_id=BOS_ID if vocab_size > BOS_ID else None,
+        eos_token_id=EOS_ID if vocab_size > EOS_ID else None,
+        pad_token_id=EOS_ID if vocab_size > EOS_ID else None,
         output_multiplier=1.0,
     )
     vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
@@ -109,7 +111,7 @@ def build_muse_target(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 2 and "language_model" in name or name.startswith("lm_head"):
-                param.normal_(0.0, 0.15)
+                param.normal_(0.0, weight_std)
     randomise_norms(model, seed + 1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
@@ -153,6 +155,7 @@ def build_assistant(
     sliding_window: int = 8,
     block_size: int = 16,
     seed: int = 1,
+    mask_token_id: int = MASK_ID,
     **overrides,
 ) -> Path:
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
@@ -167,7 +170,7 @@ def build_assistant(
         head_dim=16,
         sliding_window=sliding_window,
         block_size=block_size,
-        mask_token_id=MASK_ID,
+        mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids or [1, 3, 5],
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,

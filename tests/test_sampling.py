@@ -1,0 +1,166 @@
+"""Speculative sampling emits tokens distributed exactly as the target's filtered distribution."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import mlx_glimmer
+from mlx_glimmer.sampling import SamplingParams, accept_sampled, probabilities
+from mlx_glimmer.speculative import generate_steps
+import tiny_checkpoints as tc
+
+SETTINGS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=0.7, top_k=20),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=20),
+]
+V = 32
+PROMPT = [1, 5, 9, 2, 7, 3, 11, 4, 6, 8]
+
+
+def chi_square_p(samples: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson chi-square, pooling cells expected below 5 into one."""
+    n = len(samples)
+    expected_probs = np.asarray(expected_probs, dtype=np.float64)
+    expected_probs = expected_probs / expected_probs.sum()
+    observed = np.bincount(samples, minlength=len(expected_probs)).astype(float)
+    expected = expected_probs * n
+    small = expected < 5
+    assert observed[expected_probs == 0].sum() == 0, "a token outside the filtered support was emitted"
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(exp) == 1:  # a single possible token: all samples must be it, checked above
+        return 1.0
+    exp = exp * obs.sum() / exp.sum()
+    exp[-1] += obs.sum() - exp.sum()
+    return float(chisquare(obs, exp).pvalue)
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=str)
+def test_filters_match_transformers_logits_warpers(params):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = np.random.default_rng(3).standard_normal((5, 50)).astype(np.float32) * 3
+    scores = torch.from_numpy(logits)
+    scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    ref = torch.softmax(scores, dim=-1).numpy()
+    np.testing.assert_allclose(np.asarray(probabilities(mx.array(logits), params)), ref, atol=1e-6)
+
+
+def test_rejection_step_output_follows_target_distribution():
+    """One verification of a 3-token draft, many times: the first emitted token follows p_0."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(V) * 0.5, size=4).astype(np.float32)
+    q = rng.dirichlet(np.ones(V) * 0.5, size=3).astype(np.float32)
+    key = mx.random.key(1)
+    first, second = [], []
+    for _ in range(6000):
+        key, kd, ka = mx.random.split(key, 3)
+        draft = mx.random.categorical(mx.log(mx.array(q)), key=kd).astype(mx.uint32)
+        n, nxt = accept_sampled(draft, mx.array(q), mx.array(p), ka)
+        emitted = draft[:n].tolist() + [nxt]
+        first.append(emitted[0])
+        if n >= 1:  # given the first draft was kept, the second emitted token follows p_1
+            second.append(emitted[1])
+    assert chi_square_p(np.array(first), p[0]) > 0.001
+    assert chi_square_p(np.array(second), p[1]) > 0.001
+
+
+def test_chi_square_detects_sampling_from_the_drafter():
+    """Control: taking drafter samples without the acceptance test is caught."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(V) * 0.5).astype(np.float32)
+    q = rng.dirichlet(np.ones(V) * 0.5).astype(np.float32)
+    wrong = rng.choice(V, size=3000, p=q / q.sum())
+    assert chi_square_p(wrong, p) < 1e-6
+
+
+class NoisyTargetDrafter:
+    """Drafts autoregressively from q = 0.6 * p + 0.4 * uniform, p the target's own filtered distribution.
+
+    Close enough to the target that most drafts are kept, different enough that
+    rejections and residual resampling happen often.
+    """
+
+    kind = "noisy-target"
+    target_layer_ids = ()
+
+    def __init__(self, target):
+        self.target = target
+        self.history = []
+
+    def reset(self):
+        self.history = []
+
+    def observe(self, tokens, features):
+        self.history.extend(tokens)
+
+    def propose(self, anchor, count, params, key):
+        seq, tokens, rows = self.history + [anchor], [], []
+        for k in mx.random.split(key, count):
+            p = probabilities(self.target.model(mx.array([seq]))[0, -1], params)
+            q = 0.6 * p + 0.4 / p.shape[-1]
+            t = int(mx.random.categorical(mx.log(q), key=k).item())
+            seq.append(t)
+            tokens.append(t)
+            rows.append(q)
+        return mx.array(tokens, dtype=mx.uint32), mx.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v32")
+    tc.build_muse_target(root / "t", vocab_size=V, layers=4, weight_std=0.12, seed=5)
+    tc.build_assistant(root / "d", layers=1, target_layer_ids=[0, 2], block_size=4, mask_token_id=V - 1, seed=6)
+    return mlx_glimmer.load(target=root / "t", drafter=root / "d")
+
+
+def exact_marginals(target, params):
+    """P(t1), P(t2), P(t3) of the target's filtered sampling, by enumerating every prefix."""
+
+    def next_probs(prefixes):
+        ids = mx.array([PROMPT + list(p) for p in prefixes])
+        logits = target.model(ids)[:, -1]
+        return np.asarray(probabilities(logits, params), dtype=np.float64)
+
+    p1 = next_probs([()])[0]
+    p2_given = next_probs([(a,) for a in range(V)])  # [V, V]
+    p2 = p1 @ p2_given
+    pairs = list(itertools.product(range(V), range(V)))
+    p3_given = next_probs(pairs).reshape(V, V, V)
+    p3 = np.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p1, p2, p3
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=str)
+def test_speculative_samples_match_target_distribution(small_vocab_pair, params):
+    target = small_vocab_pair.target
+    p1, p2, p3 = exact_marginals(target, params)
+    draws, kept, rejected = [], 0, 0
+    drafters = (small_vocab_pair.drafter, NoisyTargetDrafter(target))  # random DFlash; a close drafter
+    for run, drafter in enumerate(drafters):
+        for seed in range(run * 400, run * 400 + 400):  # distinct seeds: every draw independent
+            steps = list(generate_steps(target, PROMPT, drafter=drafter, params=params, block_size=4, max_tokens=3, seed=seed))
+            toks = [t for s in steps for t in s.tokens]
+            kept += sum(len(s.tokens) - 1 for s in steps[1:])
+            rejected += sum(s.drafted - (len(s.tokens) - 1) for s in steps[1:])
+            draws.append(toks[:3])
+    draws = np.array(draws)
+    assert kept > 150 and rejected > 150  # both branches of the acceptance test ran
+    for position, expected in enumerate([p1, p2, p3]):
+        assert chi_square_p(draws[:, position], expected) > 0.001, f"token {position + 1}"
