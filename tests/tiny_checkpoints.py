@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
 
 BYTE_TOKENS = 256
 SPECIALS = ["<|begin|>", "<|end|>", "<|eom|>", "<|mask|>", "<|user|>", "<|assistant|>"]

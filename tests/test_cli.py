@@ -1,0 +1,147 @@
+"""`mlx-glimmer generate`: the documented JSON, and one `error:` line for every user mistake."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer.cli import JSON_FIELDS, main
+import tiny_checkpoints as tc
+
+DOCUMENTED = {"text", "token_ids", *JSON_FIELDS}
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_glimmer.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_one_error_line(proc_or_capsys_err: str, *needles):
+    lines = [ln for ln in proc_or_capsys_err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc_or_capsys_err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, checkpoints):
+    """A bundle laid out by hand (the converter has its own tests): float target + drafter."""
+    root = tmp_path_factory.mktemp("bundle") / "b"
+    shutil.copytree(checkpoints["muse"], root / "target")
+    shutil.copytree(checkpoints["assistant"], root / "drafter")
+    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    return root
+
+
+def test_generate_json_prints_the_documented_object(bundle, muse_pair):
+    proc = run_cli("generate", bundle, "--prompt", "Hello there", "--max-tokens", "40", "--block-size", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == DOCUMENTED
+    n = out["generated_tokens"]
+    assert n == len(out["token_ids"])
+    stopped = out["finish_reason"] == "stop"
+    assert (n == 40 and not stopped) or (n < 40 and stopped)
+    # Every committed token but the first (prefill) comes from a round; a stop token is committed, not returned.
+    assert sum(out["acceptance_lengths"]) + 1 == n + stopped
+    assert len(out["acceptance_lengths"]) == out["target_forwards"]
+    assert out["mean_acceptance"] == pytest.approx(sum(out["acceptance_lengths"]) / out["target_forwards"])
+    ref = mlx_glimmer.generate(muse_pair, "Hello there", max_tokens=40, speculative=False)
+    assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
+
+
+def test_no_spec_commits_one_token_per_round(bundle, capsys):
+    assert main(["generate", str(bundle), "--prompt", "Hi", "--max-tokens", "12", "--no-spec", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["acceptance_lengths"] == [1] * 11 and out["target_forwards"] == 11
+
+
+def test_chat_flag_applies_the_chat_template(bundle, capsys, muse_pair):
+    assert main(["generate", str(bundle), "--prompt", "Hi", "--chat", "--max-tokens", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = len(muse_pair.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True))
+    assert out["prompt_tokens"] == expected
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["generate", "/nonexistent/bundle", "--prompt", "x"], ["/nonexistent/bundle"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--top-p", "1.5"], ["top_p"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--temp", "-1"], ["temperature"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--bogus"], ["--bogus"]),
+        (["generate", "BUNDLE"], ["--prompt"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--system", "be brief"], ["--system"]),
+    ],
+)
+def test_bad_flags_and_paths_give_one_error_line(bundle, capsys, argv, needles):
+    argv = [str(bundle) if a == "BUNDLE" else a for a in argv]
+    assert main(argv) != 0
+    assert_one_error_line(capsys.readouterr().err, *needles)
+
+
+def _bundle_with(tmp_path, bundle, drafter_dir):
+    root = tmp_path / "bad"
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(bundle, root, ignore=shutil.ignore_patterns("drafter"))
+    shutil.copytree(drafter_dir, root / "drafter")
+    return root
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(hidden=32), "hidden_size"),
+        (dict(target_layer_ids=[1, 3, 8]), "target_layer_ids"),
+        (dict(mask_token_id=5000), "mask_token_id"),
+    ],
+)
+def test_mismatched_pair_names_the_field(tmp_path, bundle, capsys, overrides, field):
+    drafter = tc.build_assistant(tmp_path / "d", **overrides)
+    root = _bundle_with(tmp_path, bundle, drafter)
+    assert main(["generate", str(root), "--prompt", "x"]) != 0
+    assert_one_error_line(capsys.readouterr().err, field, "config.json")
+
+
+def test_drafter_vocab_and_layer_count_are_checked_when_present(tmp_path, bundle, capsys):
+    root = _bundle_with(tmp_path, bundle, bundle / "drafter")
+    cfg_path = root / "drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key, bad in [("vocab_size", 999), ("num_target_layers", 52)]:
+        cfg_path.write_text(json.dumps({**cfg, key: bad}))
+        assert main(["generate", str(root), "--prompt", "x"]) != 0
+        assert_one_error_line(capsys.readouterr().err, key)
+
+
+def test_truncated_weights_name_the_file(tmp_path, bundle, capsys):
+    root = _bundle_with(tmp_path, bundle, bundle / "drafter")
+    shard = sorted((root / "target").glob("*.safetensors"))[3]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert main(["generate", str(root), "--prompt", "x"]) != 0
+    assert_one_error_line(capsys.readouterr().err, shard.name, "truncated")
+
+
+def test_missing_manifest_fields_and_configs_are_named(tmp_path, bundle, capsys):
+    root = _bundle_with(tmp_path, bundle, bundle / "drafter")
+    (root / "glimmer.json").write_text(json.dumps({"format": "something-else"}))
+    assert main(["generate", str(root), "--prompt", "x"]) != 0
+    assert_one_error_line(capsys.readouterr().err, "glimmer.json", "format")
+    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    (root / "drafter" / "config.json").unlink()
+    assert main(["generate", str(root), "--prompt", "x"]) != 0
+    assert_one_error_line(capsys.readouterr().err, "config.json", "drafter")
+
+
+def test_cli_runs_as_installed_entry_point_and_reports_errors_without_traceback():
+    exe = Path(sys.executable).parent / "mlx-glimmer"
+    proc = subprocess.run([str(exe), "generate", "/does/not/exist", "--prompt", "x"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert_one_error_line(proc.stderr, "/does/not/exist")
+    assert "Traceback" not in proc.stderr
