@@ -73,6 +73,12 @@ class WindowedKVCache(_BaseCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def can_trim(self, n: int) -> bool:
+        """After trimming n, does the next query still find its whole window?"""
+        stored = self.end - self.start
+        nothing_evicted = self.offset == stored
+        return n <= stored and (nothing_evicted or stored - n >= self.window - 1)
+
     def trim(self, n: int) -> int:
         n = min(n, self.end - self.start)
         self.end -= n

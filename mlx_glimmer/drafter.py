@@ -227,6 +227,22 @@ class ContextCache:
     def fetch(self):
         return self.keys, self.values, self.first_pos
 
+    def can_trim(self, n: int, reach: int | None) -> bool:
+        stored = 0 if self.keys is None else self.keys.shape[2]
+        if n > stored:
+            return False
+        return self.first_pos == 0 or reach is None or self.first_pos <= self.next_pos - n - reach
+
+    def trim(self, n: int) -> None:
+        if n:
+            self.keys = self.keys[..., :-n, :]
+            self.values = self.values[..., :-n, :]
+            self.next_pos -= n
+
+
+# Context entries kept beyond the window, so a chat can roll back its last few tokens.
+CONTEXT_SLACK = 64
+
 
 class DFlashModel(nn.Module):
     """The drafter's weights and forward; bound to a target's embedding and head by `DFlashDrafter`."""
@@ -249,7 +265,7 @@ class DFlashModel(nn.Module):
         out = []
         for layer in self.layers:
             reach = layer.self_attn.context_reach
-            out.append(ContextCache(None if reach is None else reach + 1))
+            out.append(ContextCache(None if reach is None else reach + 1 + CONTEXT_SLACK))
         return out
 
     def extend_context(self, features: mx.array, context: list[ContextCache]) -> None:
@@ -360,6 +376,21 @@ class DFlashDrafter:
         feats = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, axis=0)
         self._pending, self._pending_len = [], 0
         self.model.extend_context(feats[None], self.context)
+
+    def rollback(self, n: int) -> bool:
+        """Forget the last n observed positions; False (and no change) if they were evicted."""
+        from_pending = min(n, self._pending_len)
+        rest = n - from_pending
+        reaches = [layer.self_attn.context_reach for layer in self.model.layers]
+        if rest and not all(c.can_trim(rest, r) for c, r in zip(self.context, reaches)):
+            return False
+        if from_pending:
+            feats = mx.concatenate(self._pending, axis=0)[: self._pending_len - from_pending]
+            self._pending = [feats] if feats.shape[0] else []
+            self._pending_len -= from_pending
+        for c in self.context:
+            c.trim(rest)
+        return True
 
     def block_hidden(self, anchor: int, count: int) -> mx.array:
         """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""

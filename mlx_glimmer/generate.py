@@ -24,7 +24,7 @@ import mlx.core as mx
 from .errors import GlimmerError
 from .loading import Pair
 from .sampling import SamplingParams
-from .speculative import generate_steps
+from .speculative import DecodeState, generate_steps
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -32,6 +32,7 @@ Prompt = str | Sequence[int] | Sequence[dict]
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually run (fewer than prompt_tokens when a chat reuses its cache)
     generated_tokens: int = 0
     target_forwards: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -101,7 +102,14 @@ def stream_generate(
     seed: int = 0,
     speculative: bool = True,
     chat_template_kwargs: dict | None = None,
+    state: DecodeState | None = None,
 ) -> Iterator[GenerationChunk]:
+    """Yield text as tokens are committed, with running stats.
+
+    Pass the same `state` (a `DecodeState`) on every turn of a conversation to
+    keep its KV cache and drafter context: each turn then prefills only the
+    tokens its prompt adds to what is already cached.
+    """
     try:
         params = SamplingParams(temperature, top_p, top_k)
     except ValueError as e:
@@ -134,12 +142,14 @@ def stream_generate(
         max_tokens=max_tokens,
         stop_ids=pair.tokenizer.eos_token_ids,
         seed=seed,
+        state=state,
     )
-    for step in steps:
+    for index, step in enumerate(steps):
         now = time.perf_counter()
         new = step.tokens[:-1] if step.stopped else step.tokens
-        if step.prefill_tokens:
+        if index == 0:  # the prefill step
             first_at = now
+            stats.prefill_tokens = step.prefill_tokens
             stats.ttft_s = now - start
             stats.prefill_tokens_per_second = step.prefill_tokens / max(step.verify_s, 1e-9)
         else:

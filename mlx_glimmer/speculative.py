@@ -14,12 +14,13 @@ A drafter is any object with:
                                     and their features [n, k*H] (None without target_layer_ids)
     propose(anchor, count, params, key) -> (tokens [count], probs [count, V] | None)
                                     probs None means the tokens are deterministic
+    rollback(n) -> bool             forget the last n observed positions; False if it cannot
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -45,6 +46,66 @@ def _choose(logits: mx.array, draft: mx.array, draft_probs, params: SamplingPara
     return accept_sampled(draft, draft_probs, probabilities(logits, params), key)
 
 
+@dataclass
+class DecodeState:
+    """What one generation leaves in the caches, so the next turn of a chat prefills only new tokens.
+
+    `processed` lists the token ids whose K/V sit in `cache`, in order. The
+    next prompt is compared with it: the common prefix is kept, anything after
+    it is rolled back (up to `ROLLBACK_SLACK` tokens past a sliding window;
+    beyond that, or when the drafter's context is out of step, the turn starts
+    from scratch), and only the rest of the prompt is prefilled.
+    """
+
+    cache: list | None = None
+    processed: list[int] = field(default_factory=list)
+    drafter: object | None = None  # the drafter whose context covers exactly `processed`
+    reserve: int = 0
+    reused_tokens: int = 0  # prompt tokens the last turn did not have to prefill
+
+
+# Extra rollback room in every cache: lets a chat template re-render the tail of
+# the previous answer differently without a full re-prefill.
+ROLLBACK_SLACK = 64
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _resume(state: DecodeState, target: Target, prompt: Sequence[int], drafter, block_size: int) -> int:
+    """Prepare `state` for `prompt`; returns how many prompt tokens are already in the cache."""
+    reusable = (
+        state.cache is not None
+        and block_size + ROLLBACK_SLACK <= state.reserve
+        and (drafter is None or state.drafter is drafter)
+    )
+    if reusable:
+        keep = min(_common_prefix(state.processed, prompt), len(prompt) - 1)
+        rollback = len(state.processed) - keep
+        can = all(c.can_trim(rollback) if hasattr(c, "can_trim") else c.is_trimmable() for c in state.cache)
+        if can and drafter is not None:
+            can = drafter.rollback(rollback)
+        if can:
+            trim_cache(state.cache, rollback)
+            del state.processed[keep:]
+            if drafter is None:
+                state.drafter = None  # its context no longer follows the cache
+            return keep
+    state.reserve = block_size + ROLLBACK_SLACK
+    state.cache = target.make_cache(reserve=state.reserve)
+    state.processed = []
+    state.drafter = drafter
+    if drafter is not None:
+        drafter.reset()
+    return 0
+
+
 def generate_steps(
     target: Target,
     prompt: Sequence[int],
@@ -56,33 +117,39 @@ def generate_steps(
     stop_ids: Sequence[int] = (),
     seed: int = 0,
     prefill_step: int = 512,
+    state: DecodeState | None = None,
 ) -> Iterator[Step]:
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max_tokens <= 0:
         return
+    prompt = list(prompt)
     block_size = max(1, int(block_size)) if drafter is not None else 1
     stop = set(int(t) for t in stop_ids)
     capture = drafter is not None and bool(drafter.target_layer_ids)
     if drafter is not None:
         target.capture(drafter.target_layer_ids)
-        drafter.reset()
-    cache = target.make_cache(reserve=block_size)
+    state = state if state is not None else DecodeState()
+    done = _resume(state, target, prompt, drafter, block_size)
+    state.reused_tokens = done
+    cache = state.cache
     key = mx.random.key(seed)
 
-    # Prefill: every prompt token, in chunks; logits for the last position only.
+    # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only.
     tic = time.perf_counter()
-    prompt_arr = mx.array(list(prompt), dtype=mx.uint32)
-    for start in range(0, len(prompt), prefill_step):
-        chunk = prompt_arr[start : start + prefill_step]
-        hidden, feats = target.forward(chunk, cache, capture)
+    todo = prompt[done:]
+    todo_arr = mx.array(todo, dtype=mx.uint32)
+    for start in range(0, len(todo), prefill_step):
+        chunk = todo[start : start + prefill_step]
+        hidden, feats = target.forward(todo_arr[start : start + prefill_step], cache, capture)
         if drafter is not None:
-            drafter.observe(list(prompt[start : start + prefill_step]), feats)
-        if start + prefill_step < len(prompt):
+            drafter.observe(chunk, feats)
+        state.processed.extend(chunk)
+        if start + prefill_step < len(todo):
             mx.eval([c.state for c in cache], feats if feats is not None else [])
     key, sub = mx.random.split(key)
     _, first = _choose(target.head(hidden[-1:]), mx.array([], dtype=mx.uint32), None, params, sub)
-    step = Step([first], prefill_tokens=len(prompt), verify_s=time.perf_counter() - tic, stopped=first in stop)
+    step = Step([first], prefill_tokens=len(todo), verify_s=time.perf_counter() - tic, stopped=first in stop)
     yield step
     generated = 1
     anchor = first
@@ -103,18 +170,21 @@ def generate_steps(
         tokens_in = mx.concatenate([mx.array([anchor], dtype=mx.uint32), draft])
         hidden, feats = target.forward(tokens_in, cache, capture)
         n, nxt = _choose(target.head(hidden), draft, draft_probs, params, k_accept)
-        trim_cache(cache, b - 1 - n)
-        accepted = draft[:n].tolist()
-        if drafter is not None:
-            drafter.observe([anchor] + accepted, feats[: n + 1] if feats is not None else None)
-        committed = accepted + [nxt]
+        committed = draft[:n].tolist() + [nxt]
         stopped = False
         for i, t in enumerate(committed):
             if t in stop:
                 committed, stopped = committed[: i + 1], True
                 break
+        # The target has processed [anchor] + committed[:-1]; everything after is rolled back.
+        m = len(committed)
+        trim_cache(cache, b - m)
+        processed = [anchor] + committed[:-1]
+        if drafter is not None:
+            drafter.observe(processed, feats[:m] if feats is not None else None)
+        state.processed.extend(processed)
         verify_s = time.perf_counter() - toc
-        generated += len(committed)
+        generated += m
         anchor = committed[-1]
         yield Step(committed, drafted=b - 1, draft_s=toc - tic, verify_s=verify_s, stopped=stopped)
         if stopped:

@@ -113,3 +113,11 @@ def test_api_reports_high_agreement_figures(muse_pair, plain_greedy):
     print(f"high-agreement pair: mean acceptance {res.stats.mean_acceptance:.2f}, "
           f"target forwards {res.stats.target_forwards} for {res.stats.generated_tokens} tokens")
     assert res.stats.target_forwards < N_TOKENS / 4
+
+
+def test_chunked_prefill_gives_the_same_tokens(muse_pair, plain_greedy):
+    for step in (1, 3, 7):
+        got = tokens_of(
+            generate_steps(muse_pair.target, PROMPT, drafter=muse_pair.drafter, block_size=4, max_tokens=60, prefill_step=step)
+        )
+        assert got == plain_greedy[:60]

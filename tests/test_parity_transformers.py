@@ -132,3 +132,60 @@ def test_drafter_parity_fails_when_the_window_rule_is_off_by_one(checkpoints):
     context = ours.make_context()
     ours.extend_context(mx.array(feats), context)
     assert rel_err(ours(mx.array(noise), n, context)[0], expected) > 1e-3
+
+
+def replay_rounds(ref, ours, rounds, seed=0):
+    """Feed the same random context/noise to transformers (DFlash cache protocol) and to us; worst rel. error."""
+    from transformers.cache_utils import DFlashCache
+
+    rng = np.random.default_rng(seed)
+    cfg = ours.config
+    B, H, k = cfg.block_size, cfg.hidden_size, len(cfg.target_layer_ids)
+    t_cache = DFlashCache(config=ref.config)
+    t_cache.activate_past_recording()
+    context = ours.make_context()
+    position, worst = 0, 0.0
+    for round_idx, n_new in enumerate(rounds):
+        feats = rng.standard_normal((1, n_new, k * H)).astype(np.float32)
+        noise = rng.standard_normal((1, B, H)).astype(np.float32)
+        t_cache.set_previous_accepted_tokens(n_new)
+        if round_idx:
+            t_cache.crop(-B)
+        with torch.no_grad():
+            expected = ref(
+                noise_embeds=torch.from_numpy(noise),
+                context_hidden_states=torch.from_numpy(feats),
+                position_ids=torch.arange(position, position + n_new + B)[None],
+                cache=t_cache,
+            ).last_hidden_state[0].numpy()
+        ours.extend_context(mx.array(feats), context)
+        position += n_new
+        worst = max(worst, rel_err(ours(mx.array(noise), position, context)[0], expected))
+    return worst
+
+
+def test_zlab_dflash_checkpoint_loads_with_the_same_math(tmp_path):
+    """z-lab's DFlashDraftModel layout (fc / hidden_norm, dflash_config) is the same drafter."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    from transformers import MuseGlimmerAssistantModel
+
+    import tiny_checkpoints as tc
+
+    hf = tc.build_assistant(tmp_path / "hf", layer_types=["full_attention", "full_attention"], block_size=8)
+    ref = MuseGlimmerAssistantModel.from_pretrained(hf, dtype=torch.float32).eval()
+    zlab = tmp_path / "zlab"
+    zlab.mkdir()
+    weights = load_file(hf / "model.safetensors")
+    renamed = {
+        k.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm."): v for k, v in weights.items()
+    }
+    save_file(renamed, zlab / "model.safetensors")
+    cfg = json.loads((hf / "config.json").read_text())
+    dflash = {key: cfg.pop(key) for key in ("block_size", "mask_token_id", "target_layer_ids")}
+    cfg.update(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash, sliding_window=None)
+    (zlab / "config.json").write_text(json.dumps(cfg))
+    ours = load_dflash_model(zlab)
+    assert ours.config.source_format == "dflash" and ours.config.block_size == 8
+    assert replay_rounds(ref, ours, [5, 3, 7, 1, 9]) < 1e-4
