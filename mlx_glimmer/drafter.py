@@ -57,6 +57,9 @@ class DrafterConfig:
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 13, 25, 37, 49])
     vocab_size: int | None = None
     num_target_layers: int | None = None
+    # Drafters trained by `mlx-glimmer distill` propose from a reduced vocabulary
+    # (the ids are stored as the `draft_vocab` tensor); verification is full-vocabulary.
+    draft_vocab_size: int | None = None
     # Largest distance q - k at which a block query still sees a context key on
     # a sliding layer. transformers' create_bidirectional_sliding_window_mask
     # allows |q - k| <= sliding_window; z-lab's loop uses q - k < sliding_window.
@@ -119,6 +122,8 @@ class DrafterConfig:
             d["vocab_size"] = self.vocab_size
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
+        if self.draft_vocab_size is not None:
+            d["draft_vocab_size"] = self.draft_vocab_size
         return d
 
 
@@ -253,6 +258,8 @@ class DFlashModel(nn.Module):
         self.encoder = ContextProjection(cfg)
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.draft_vocab_size:
+            self.draft_vocab = mx.zeros((cfg.draft_vocab_size,), dtype=mx.int32)
         self.rope = initialize_rope(
             cfg.head_dim,
             base=cfg.rope_theta,
@@ -353,6 +360,23 @@ class DFlashDrafter:
         self.context: list[ContextCache] = []
         self._pending: list[mx.array] = []
         self._pending_len = 0
+        self.draft_vocab = model.get("draft_vocab")
+        self._draft_head = None
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the draft vocabulary (the full one unless the drafter has its own)."""
+        if self.draft_vocab is None:
+            return self.target.head(hidden)
+        if self._draft_head is None:
+            from .target import head_weight
+
+            self._draft_head = head_weight(self.target)[self.draft_vocab]
+        logits = hidden @ self._draft_head.T
+        args = self.target.args
+        if getattr(args, "output_multiplier", None) is not None:
+            logits = logits * args.output_multiplier
+        cap = getattr(args, "final_logit_softcapping", None)
+        return mx.tanh(logits / cap) * cap if cap else logits
 
     def reset(self) -> None:
         self.context = self.model.make_context()
@@ -402,8 +426,14 @@ class DFlashDrafter:
     def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
         from .sampling import probabilities, sample
 
-        logits = self.target.head(self.block_hidden(anchor, count)[1:])
+        logits = self.draft_logits(self.block_hidden(anchor, count)[1:])
         if params.greedy:
-            return mx.argmax(logits, axis=-1), None
+            choice = mx.argmax(logits, axis=-1)
+            return (self.draft_vocab[choice] if self.draft_vocab is not None else choice), None
         probs = probabilities(logits, params)
-        return sample(probs, key), probs
+        choice = sample(probs, key)
+        if self.draft_vocab is None:
+            return choice, probs
+        full = mx.zeros((count, self.target.vocab_size), dtype=probs.dtype)
+        full[:, self.draft_vocab] = probs
+        return self.draft_vocab[choice], full

@@ -12,7 +12,7 @@ A drafter is any object with:
     observe(tokens, features) -> None
                                     the next n committed token ids the target has processed,
                                     and their features [n, k*H] (None without target_layer_ids)
-    propose(anchor, count, params, key) -> (tokens [count], probs [count, V] | None)
+    propose(anchor, count, params, key) -> (tokens [<= count], probs [n, V] | None)
                                     probs None means the tokens are deterministic
     rollback(n) -> bool             forget the last n observed positions; False if it cannot
 """
@@ -161,9 +161,11 @@ def generate_steps(
         key, k_draft, k_accept = mx.random.split(key, 3)
         tic = time.perf_counter()
         if b > 1:
+            # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
             draft, draft_probs = drafter.propose(anchor, b - 1, params, k_draft)
             draft = draft.astype(mx.uint32)
             mx.eval(draft, draft_probs if draft_probs is not None else [])
+            b = draft.shape[0] + 1
         else:
             draft, draft_probs = mx.array([], dtype=mx.uint32), None
         toc = time.perf_counter()

@@ -103,6 +103,15 @@ def make_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
     return head
 
 
+def head_weight(target: "Target") -> mx.array:
+    """The target's output projection as a float matrix [V, H] (dequantized if needed)."""
+    model = target.model
+    layer = model.get("lm_head") or model.model.embed_tokens
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    return layer.weight
+
+
 @dataclass
 class Target:
     """An mlx-lm model with feature capture, a split head and rollback-safe caches."""

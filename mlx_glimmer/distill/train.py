@@ -1,0 +1,209 @@
+"""Training a DFlash drafter on the target's own answers (the DFlash recipe, in MLX).
+
+Per step, one answered prompt: the frozen target's features at
+`target_layer_ids` for every position (computed once per sequence and kept),
+a random set of anchor positions inside the answer, and one block per anchor:
+[anchor token, mask x (B-1)] at positions a..a+B-1, seeing the context
+before a and its own block (each block is a batch row, so blocks never see
+each other). Loss: cross-entropy of block positions 1..B-1 against the
+target's tokens, weighted exp(-(k-1)/gamma). The target's embedding table and
+output head are frozen and borrowed; only the drafter's layers, `fc` and norms
+learn.
+
+The loss and the drafter's proposals use a reduced draft vocabulary (the
+tokens the target emitted in the training answers, EAGLE-3/FR-Spec style):
+the output head is the dominant cost at this size. Verification still uses
+the full vocabulary, so output stays lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..drafter import DFlashModel, DrafterConfig, dflash_target_layer_ids
+from ..target import Target, head_weight
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 3
+    context_layers: int = 5
+    block_size: int = 16
+    anchors: int = 32
+    gamma: float = 7.0
+    learning_rate: float = 6e-4
+    warmup: int = 100
+    steps: int = 4000
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_every: int = 500
+    checkpoint_every: int = 250
+
+
+def drafter_config_for(target: Target, train: TrainConfig, mask_token_id: int, draft_vocab_size: int | None) -> DrafterConfig:
+    args = target.args
+    heads = int(args.num_attention_heads)
+    return DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=int(args.intermediate_size),
+        num_hidden_layers=train.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(args, "num_key_value_heads", heads) or heads),
+        head_dim=int(getattr(args, "head_dim", None) or target.hidden_size // heads),
+        rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-5)),
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        max_position_embeddings=int(getattr(args, "max_position_embeddings", 8192)),
+        sliding_window=2048,
+        block_size=train.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=dflash_target_layer_ids(target.num_layers, train.context_layers),
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        draft_vocab_size=draft_vocab_size,
+    )
+
+
+def target_features(target: Target, ids: list[int]) -> mx.array:
+    cache = target.make_cache(reserve=1)
+    _, feats = target.forward(mx.array(ids, dtype=mx.uint32), cache, capture=True)
+    return feats.astype(mx.float16)
+
+
+def block_forward(model: DFlashModel, noise: mx.array, positions: mx.array, ctx: mx.array, anchors: mx.array) -> mx.array:
+    """Hidden states of A blocks at once. noise [A, B, H]; positions [A] (anchor positions);
+    ctx [T, k*H] features of the whole sequence; block b sees context positions < anchors[b]."""
+    A, B, _ = noise.shape
+    T = ctx.shape[0]
+    c = model.encoder(ctx[None].astype(mx.float32))  # [1, T, H]
+    ctx_visible = mx.arange(T)[None, :] < anchors[:, None]  # [A, T]
+    mask = mx.concatenate([ctx_visible, mx.ones((A, B), dtype=mx.bool_)], axis=1)[:, None, None, :]
+    h = noise
+    for layer in model.layers:
+        att = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = att.q_norm(att.q_proj(x).reshape(A, B, att.n_heads, att.head_dim)).transpose(0, 2, 1, 3)
+        q = model.rope(q, offset=positions)
+        k_blk, v_blk = att.project_kv(x, lambda t, offset: model.rope(t, offset=positions), 0)
+        k_ctx, v_ctx = att.project_kv(c, model.rope, 0)
+        k = mx.concatenate([mx.broadcast_to(k_ctx, (A,) + k_ctx.shape[1:]), k_blk], axis=2)
+        v = mx.concatenate([mx.broadcast_to(v_ctx, (A,) + v_ctx.shape[1:]), v_blk], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=att.scale, mask=mask)
+        h = h + att.o_proj(out.transpose(0, 2, 1, 3).reshape(A, B, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h)
+
+
+class Trainer:
+    def __init__(self, target: Target, records: list[dict], config: TrainConfig, out_dir: Path, *, mask_token_id: int, log=sys.stderr):
+        self.target = target
+        self.config = config
+        self.out_dir = Path(out_dir)
+        self.log = log
+        self.rng = np.random.default_rng(config.seed)
+        self.sequences = [r["prompt_ids"] + r["response_ids"] for r in records if len(r["response_ids"]) >= 2]
+        self.prompt_lens = [len(r["prompt_ids"]) for r in records if len(r["response_ids"]) >= 2]
+        vocab = sorted({t for r in records for t in r["response_ids"]} | {mask_token_id})
+        self.draft_vocab = mx.array(vocab, dtype=mx.int32)
+        self.to_draft = np.full(target.vocab_size, -1, dtype=np.int64)
+        self.to_draft[np.array(vocab)] = np.arange(len(vocab))
+        self.drafter_config = drafter_config_for(target, config, mask_token_id, len(vocab))
+        target.capture(tuple(self.drafter_config.target_layer_ids))
+        mx.random.seed(config.seed)
+        self.model = DFlashModel(self.drafter_config)
+        self.model.draft_vocab = self.draft_vocab
+        self.head = head_weight(target)[self.draft_vocab]  # [Vd, H], frozen
+        self.embed = target.model.model.embed_tokens
+        self.step = 0
+        self.features: dict[int, mx.array] = {}
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(0.0, config.learning_rate, config.warmup),
+             optim.cosine_decay(config.learning_rate, max(1, config.steps - config.warmup), config.learning_rate * 0.05)],
+            [config.warmup],
+        )
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+        weights = mx.exp(-mx.arange(config.block_size - 1, dtype=mx.float32) / config.gamma)
+        self.position_weights = weights
+        self.loss_and_grad = nn.value_and_grad(self.model, self.loss)
+        self.model.freeze(keys=["draft_vocab"])
+
+    def loss(self, noise, positions, ctx, anchors, labels, valid):
+        h = block_forward(self.model, noise, positions, ctx, anchors)[:, 1:]  # [A, B-1, H]
+        logits = h @ self.head.T
+        ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")
+        w = self.position_weights[None] * valid
+        return (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+
+    def batch(self, index: int):
+        seq, lp = self.sequences[index], self.prompt_lens[index]
+        if index not in self.features:
+            self.features[index] = target_features(self.target, seq)
+            mx.eval(self.features[index])
+        T, B, c = len(seq), self.config.block_size, self.config
+        candidates = np.arange(lp, T - 1)
+        anchors = np.sort(self.rng.choice(candidates, size=min(c.anchors, len(candidates)), replace=False))
+        block_ids = np.full((len(anchors), B), self.drafter_config.mask_token_id, dtype=np.int64)
+        block_ids[:, 0] = np.array(seq)[anchors]
+        label_pos = anchors[:, None] + np.arange(1, B)[None]
+        seq_arr = np.array(seq + [0] * B)
+        labels = self.to_draft[seq_arr[label_pos]]
+        valid = (label_pos < T) & (labels >= 0)
+        noise = self.embed(mx.array(block_ids))
+        return noise, mx.array(anchors), self.features[index], mx.array(anchors), mx.array(labels), mx.array(valid.astype(np.float32))
+
+    def train(self, evaluate=None) -> None:
+        c = self.config
+        order = []
+        tic, losses = time.perf_counter(), []
+        while self.step < c.steps:
+            if not order:
+                order = list(self.rng.permutation(len(self.sequences)))
+            loss, grads = self.loss_and_grad(*self.batch(order.pop()))
+            self.optimizer.update(self.model, grads)
+            mx.eval(loss, self.model.parameters(), self.optimizer.state)
+            losses.append(loss.item())
+            self.step += 1
+            if self.step % 25 == 0:
+                rate = 25 / (time.perf_counter() - tic)
+                print(f"[train] step {self.step}/{c.steps} loss {np.mean(losses):.3f} ({rate:.2f} steps/s)", file=self.log, flush=True)
+                tic, losses = time.perf_counter(), []
+            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+                self.save(self.out_dir / "checkpoint")
+            if evaluate is not None and (self.step % c.eval_every == 0 or self.step == c.steps):
+                acc = evaluate(self)
+                print(f"[eval] step {self.step} held-out mean acceptance {acc:.3f}", file=self.log, flush=True)
+                self.save(self.out_dir / f"step{self.step:06d}")
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        weights = dict(tree_flatten(self.model.parameters()))
+        weights["draft_vocab"] = self.draft_vocab
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        (path / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
+        state = dict(tree_flatten(self.optimizer.state))
+        mx.save_safetensors(str(path / "optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+        (path / "trainer.json").write_text(json.dumps({"step": self.step, "rng": self.rng.bit_generator.state}))
+
+    def resume(self, path: Path) -> bool:
+        if not (path / "trainer.json").is_file():
+            return False
+        from mlx.utils import tree_unflatten
+
+        self.model.load_weights(str(path / "model.safetensors"), strict=False)
+        self.optimizer.init(self.model.trainable_parameters())
+        opt = mx.load(str(path / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list({**dict(tree_flatten(self.optimizer.state)), **opt}.items()))
+        meta = json.loads((path / "trainer.json").read_text())
+        self.step = meta["step"]
+        self.rng.bit_generator.state = meta["rng"]
+        return True
