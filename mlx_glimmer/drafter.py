@@ -317,9 +317,9 @@ def read_drafter_config(path: Path) -> DrafterConfig:
 def load_dflash_model(path: Path, config: DrafterConfig | None = None) -> DFlashModel:
     path = Path(path)
     config = config or read_drafter_config(path)
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("model*.safetensors"))
     if not files:
-        raise GlimmerError(f"{path}: no *.safetensors weights for the drafter")
+        raise GlimmerError(f"{path}: no model*.safetensors weights for the drafter")
     weights = {}
     for f in files:
         try:

@@ -68,8 +68,8 @@ def _check_model_dir(path: Path, what: str) -> None:
         raise GlimmerError(f"{path}: {what} must be a directory")
     if not (path / "config.json").is_file():
         raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
-    if not list(path.glob("*.safetensors")):
-        raise GlimmerError(f"{path}: no *.safetensors weights for the {what}")
+    if not list(path.glob("model*.safetensors")):
+        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
 
 
 def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
@@ -132,7 +132,7 @@ def load_drafter(path: Path, target: Target) -> DFlashDrafter:
     _check_model_dir(path, "drafter")
     cfg = read_drafter_config(path)
     validate_pair(target, cfg, path)
-    for f in path.glob("*.safetensors"):
+    for f in path.glob("model*.safetensors"):
         _check_safetensors(f)
     return DFlashDrafter(load_dflash_model(path, cfg), target)
 

@@ -125,6 +125,7 @@ class Trainer:
         self.head = head_weight(target)[self.draft_vocab]  # [Vd, H], frozen
         self.embed = target.model.model.embed_tokens
         self.step = 0
+        self.order: list[int] = []  # sequences left in this epoch
         self.features: dict[int, mx.array] = {}
         schedule = optim.join_schedules(
             [optim.linear_schedule(0.0, config.learning_rate, config.warmup),
@@ -161,14 +162,14 @@ class Trainer:
         noise = self.embed(mx.array(block_ids))
         return noise, mx.array(anchors), self.features[index], mx.array(anchors), mx.array(labels), mx.array(valid.astype(np.float32))
 
-    def train(self, evaluate=None) -> None:
+    def train(self, evaluate=None, until: int | None = None) -> None:
+        """Train to `config.steps` (or stop early at step `until`, as an interruption would)."""
         c = self.config
-        order = []
         tic, losses = time.perf_counter(), []
-        while self.step < c.steps:
-            if not order:
-                order = list(self.rng.permutation(len(self.sequences)))
-            loss, grads = self.loss_and_grad(*self.batch(order.pop()))
+        while self.step < min(c.steps, until or c.steps):
+            if not self.order:
+                self.order = [int(i) for i in self.rng.permutation(len(self.sequences))]
+            loss, grads = self.loss_and_grad(*self.batch(self.order.pop()))
             self.optimizer.update(self.model, grads)
             mx.eval(loss, self.model.parameters(), self.optimizer.state)
             losses.append(loss.item())
@@ -192,7 +193,7 @@ class Trainer:
         (path / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
         state = dict(tree_flatten(self.optimizer.state))
         mx.save_safetensors(str(path / "optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
-        (path / "trainer.json").write_text(json.dumps({"step": self.step, "rng": self.rng.bit_generator.state}))
+        (path / "trainer.json").write_text(json.dumps({"step": self.step, "order": self.order, "rng": self.rng.bit_generator.state}))
 
     def resume(self, path: Path) -> bool:
         if not (path / "trainer.json").is_file():
@@ -205,5 +206,6 @@ class Trainer:
         self.optimizer.state = tree_unflatten(list({**dict(tree_flatten(self.optimizer.state)), **opt}.items()))
         meta = json.loads((path / "trainer.json").read_text())
         self.step = meta["step"]
+        self.order = meta["order"]
         self.rng.bit_generator.state = meta["rng"]
         return True

@@ -1,0 +1,92 @@
+"""Distillation: the training forward is the inference forward, training learns, and checkpoints resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer.drafter import DFlashDrafter, dflash_target_layer_ids, load_dflash_model
+from mlx_glimmer.distill.evaluate import heldout_acceptance
+from mlx_glimmer.distill.train import Trainer, TrainConfig, block_forward, target_features
+from mlx_glimmer.speculative import generate_steps
+
+
+def test_dflash_layer_rule_gives_metas_layers_for_52():
+    assert dflash_target_layer_ids(52, 5) == [1, 13, 25, 37, 49]
+    assert dflash_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+
+
+@pytest.fixture(scope="module")
+def records(llama_pair):
+    """The tiny target's own greedy answers to a few prompts."""
+    out = []
+    for i in range(6):
+        prompt = [256] + list(f"prompt {i}: tell me".encode())
+        ans = [t for s in generate_steps(llama_pair.target, prompt, max_tokens=48) for t in s.tokens]
+        out.append({"index": i, "tag": "greedy", "prompt_ids": prompt, "response_ids": ans})
+    return out
+
+
+def make_trainer(llama_pair, records, tmp_path, **kw):
+    cfg = TrainConfig(layers=kw.pop("layers", 1), context_layers=3, anchors=8, steps=kw.pop("steps", 60), warmup=5, eval_every=10**9,
+                      checkpoint_every=kw.pop("checkpoint_every", 30), learning_rate=3e-3, **kw)
+    return Trainer(llama_pair.target, records, cfg, tmp_path / "run", mask_token_id=259)
+
+
+def test_training_forward_equals_inference_forward(llama_pair, records, tmp_path):
+    tr = make_trainer(llama_pair, records, tmp_path)
+    seq = records[0]["prompt_ids"] + records[0]["response_ids"]
+    feats = target_features(llama_pair.target, seq)
+    anchors = [len(records[0]["prompt_ids"]) + k for k in (0, 5, 17)]
+    B = tr.config.block_size
+    ids = np.full((len(anchors), B), 259)
+    ids[:, 0] = [seq[a] for a in anchors]
+    noise = tr.embed(mx.array(ids))
+    batched = block_forward(tr.model, noise, mx.array(anchors), feats, mx.array(anchors))
+    for row, a in enumerate(anchors):
+        context = tr.model.make_context()
+        tr.model.extend_context(feats[None, :a].astype(mx.float32), context)
+        single = tr.model(noise[row : row + 1], a, context)[0]
+        np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single), atol=2e-4)
+
+
+def test_training_lowers_the_loss_and_raises_acceptance_on_its_data(llama_pair, records, tmp_path):
+    tr = make_trainer(llama_pair, records, tmp_path, steps=500, layers=2)
+    prompts = [r["prompt_ids"] for r in records]
+    before = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
+    first = [tr.loss(*tr.batch(i)).item() for i in range(len(records))]
+    tr.train()
+    after_loss = [tr.loss(*tr.batch(i)).item() for i in range(len(records))]
+    after = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
+    print(f"loss {np.mean(first):.2f} -> {np.mean(after_loss):.2f}; acceptance on training prompts {before:.2f} -> {after:.2f}")
+    assert np.mean(after_loss) < 0.7 * np.mean(first)
+    assert after > before + 0.3
+
+
+def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path):
+    full = make_trainer(llama_pair, records, tmp_path / "a", steps=40, checkpoint_every=20)
+    full.train()
+    part = make_trainer(llama_pair, records, tmp_path / "b", steps=40, checkpoint_every=20)
+    part.train(until=20)  # interrupted after its first checkpoint
+    resumed = make_trainer(llama_pair, records, tmp_path / "c", steps=40, checkpoint_every=20)
+    assert resumed.resume(tmp_path / "b" / "run" / "checkpoint") and resumed.step == 20
+    resumed.train()
+    a = dict(mx.load(str(tmp_path / "a" / "run" / "checkpoint" / "model.safetensors")))
+    c = dict(mx.load(str(tmp_path / "c" / "run" / "checkpoint" / "model.safetensors")))
+    assert max(float(mx.abs(a[k] - c[k]).max()) for k in a if k != "draft_vocab") < 1e-5
+
+
+def test_saved_drafter_loads_and_stays_lossless(llama_pair, records, tmp_path):
+    tr = make_trainer(llama_pair, records, tmp_path, steps=30)
+    tr.train()
+    path = tmp_path / "run" / "checkpoint"
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == tr.draft_vocab.shape[0] and cfg["num_target_layers"] == 6
+    pair = mlx_glimmer.load(target=llama_pair.target_path, drafter=path)
+    prompt = [256] + list(b"something new")
+    plain = mlx_glimmer.generate(pair, prompt, max_tokens=60, speculative=False)
+    spec = mlx_glimmer.generate(pair, prompt, max_tokens=60)
+    sampled = mlx_glimmer.generate(pair, prompt, max_tokens=30, temperature=0.8, seed=3)
+    assert spec.token_ids == plain.token_ids and len(sampled.token_ids) > 0
