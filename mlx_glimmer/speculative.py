@@ -155,6 +155,9 @@ def generate_steps(
     anchor = first
     if step.stopped:
         return
+    if drafter is None:
+        yield from _plain_steps(target, state, anchor, params, key, max_tokens - generated, stop)
+        return
 
     while generated < max_tokens:
         b = min(block_size, max_tokens - generated)
@@ -191,3 +194,51 @@ def generate_steps(
         yield Step(committed, drafted=b - 1, draft_s=toc - tic, verify_s=verify_s, stopped=stopped)
         if stopped:
             return
+
+
+def _next_token(target: Target, cache: list, token: mx.array, params: SamplingParams, key) -> mx.array:
+    """Run one token through the target and pick the next one, lazily (nothing is evaluated here)."""
+    hidden, _ = target.forward(token, cache, capture=False)
+    logits = target.head(hidden[-1])
+    choice = mx.argmax(logits, axis=-1) if params.greedy else mx.random.categorical(mx.log(probabilities(logits, params)), key=key)
+    return choice.reshape(1).astype(mx.uint32)
+
+
+def _plain_steps(target, state, anchor: int, params, key, budget: int, stop: set) -> Iterator[Step]:
+    """Plain decoding, pipelined as mlx-lm does it: the forward for token i + 1 is queued
+    before token i is read back, so Python overhead overlaps the computation.
+
+    The queued forward means the cache may hold one token more than was committed;
+    it is rolled back when decoding ends (also when the caller stops early), so
+    `state.processed` always lists exactly what the cache holds.
+    """
+    cache = state.cache
+    tic = time.perf_counter()
+    key, sub = mx.random.split(key)
+    nxt = _next_token(target, cache, mx.array([anchor], dtype=mx.uint32), params, sub)
+    state.processed.append(anchor)
+    mx.async_eval(nxt)
+    queued_ahead = False
+    try:
+        for i in range(budget):
+            ahead = None
+            if i + 1 < budget:
+                key, sub = mx.random.split(key)
+                ahead = _next_token(target, cache, nxt, params, sub)
+                mx.async_eval(ahead)
+                queued_ahead = True
+            token = int(nxt.item())
+            if ahead is not None:
+                state.processed.append(token)
+            now = time.perf_counter()
+            stopped = token in stop
+            yield Step([token], verify_s=now - tic, stopped=stopped)
+            tic = now
+            if stopped:
+                return
+            nxt, queued_ahead = ahead, False
+    finally:
+        if queued_ahead:  # the forward of the last committed token ran ahead: undo it
+            mx.eval(nxt if not isinstance(nxt, type(None)) else [])
+            trim_cache(cache, 1)
+            state.processed.pop()

@@ -36,6 +36,7 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--out", required=True, help="run directory (data, checkpoints, exported drafter)")
     p.add_argument("--prompts", default=str(DATA_DIR / "prompts_train.jsonl"), help="training prompts (JSONL with 'prompt')")
     p.add_argument("--heldout", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="held-out prompts for selection")
+    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--temperatures", default="0", help="comma-separated answer temperatures; one pass each (default 0)")
     p.add_argument("--answer-tokens", type=int, default=160, help="max tokens per answer (default 160)")
     p.add_argument("--batch-size", type=int, default=32, help="answers generated per batch (default 32)")
@@ -69,7 +70,7 @@ def cmd_distill(args, open_pair) -> int:
     for name in (args.prompts, args.heldout):
         if not Path(name).is_file():
             raise GlimmerError(f"{name}: prompt file not found")
-    train_prompts = load_prompts(Path(args.prompts))
+    train_prompts = load_prompts(Path(args.prompts))[: args.max_prompts]
     heldout = load_prompts(Path(args.heldout))
     try:
         temps = [float(t) for t in args.temperatures.split(",")]

@@ -1,0 +1,121 @@
+"""MLX affine quantization of one weight at a time, and the config block mlx-lm reads.
+
+Which weights get quantized follows `mlx_lm.utils.quantize_model`: the
+`.weight` of every module with `to_quantized` (Linear, Embedding, ...) whose
+input size divides by the group size, subject to the model's own
+`quant_predicate`. Everything else (norms, 1-D tensors) stays float.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .safetensors_stream import CHUNK_BYTES, MX_CODES, num_rows
+
+FLOAT_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int
+
+    def to_dict(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+
+    def packed_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the packed weight and of the scales/biases for a float weight of `shape`."""
+        *lead, cols = shape
+        return (*lead, cols * self.bits // 32), (*lead, cols // self.group_size)
+
+
+class Source(Protocol):
+    shape: tuple[int, ...]
+    nbytes: int
+    is_float: bool
+
+    def read_rows(self, start: int, stop: int) -> mx.array: ...
+
+
+@dataclass
+class TensorItem:
+    """A source tensor written as float (cast to `dtype`) or as an affine-quantized triplet."""
+
+    name: str
+    source: Source
+    dtype: mx.Dtype
+    quant: QuantSpec | None = None
+
+    @property
+    def rows(self) -> int:
+        return num_rows(self.source.shape)
+
+    @property
+    def source_bytes(self) -> int:
+        return self.source.nbytes
+
+    def chunk_rows(self) -> int:
+        return max(1, CHUNK_BYTES * self.rows // max(self.source.nbytes, 1))
+
+    def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        shape = tuple(self.source.shape)
+        if self.quant is None:
+            code = MX_CODES[self.dtype] if self.source.is_float else self.source.dtype
+            return [(self.name, code, shape)]
+        base = self.name.removesuffix(".weight")
+        packed, groups = self.quant.packed_shapes(shape)
+        code = MX_CODES[self.dtype]
+        return [(f"{base}.weight", "U32", packed), (f"{base}.scales", code, groups), (f"{base}.biases", code, groups)]
+
+    def produce(self, start: int, stop: int) -> list[mx.array]:
+        x = self.source.read_rows(start, stop)
+        if self.source.is_float:
+            x = x.astype(self.dtype)
+        if self.quant is None:
+            return [x]
+        return list(mx.quantize(x, group_size=self.quant.group_size, bits=self.quant.bits))
+
+
+def quantizable_weights(model: nn.Module, names, spec: QuantSpec) -> dict[str, QuantSpec]:
+    """weight name -> how to quantize it, for the weights mlx-lm would quantize in `model`."""
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    predicate = getattr(model, "quant_predicate", None)
+    out = {}
+    for name in names:
+        if not name.endswith(".weight"):
+            continue
+        path = name.removesuffix(".weight")
+        module = modules.get(path)
+        if module is None or not hasattr(module, "to_quantized"):
+            continue
+        if module.weight.shape[-1] % spec.group_size:
+            continue
+        choice = predicate(path, module) if predicate is not None else True
+        if not choice:
+            continue
+        if isinstance(choice, dict):
+            if choice.get("mode", "affine") != "affine":
+                continue
+            out[name] = QuantSpec(choice.get("bits", spec.bits), choice.get("group_size", spec.group_size))
+        else:
+            out[name] = spec
+    return out
+
+
+def quantization_config(specs: dict[str, QuantSpec], default: QuantSpec | None = None) -> dict | None:
+    """The config.json `quantization` block: a default plus one entry per weight that differs."""
+    if not specs:
+        return None
+    if default is None:
+        default = Counter(specs.values()).most_common(1)[0][0]
+    block = default.to_dict()
+    for name, spec in sorted(specs.items()):
+        if spec != default:
+            block[name.removesuffix(".weight")] = spec.to_dict()
+    return block

@@ -1,0 +1,218 @@
+"""`mlx-glimmer bench`: plain vs speculative decoding, side by side in one run.
+
+For every prompt, in turn: mlx-lm's own `stream_generate` on the same target
+(the tool users compare against), our plain path, then each speculative
+configuration. Interleaving keeps slow drift (thermals, other load) from
+favouring one method. Rates use one definition everywhere: tokens after the
+first / time from the first token to the last (prefill excluded).
+Greedy throughout, so every method must produce the same tokens; the run
+checks that and reports any difference.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .distill.data import DATA_DIR, load_prompts
+from .errors import GlimmerError
+from .generate import encode_prompt, stream_generate
+
+
+@dataclass
+class Measurement:
+    method: str
+    tokens: int = 0
+    decode_s: float = 0.0
+    target_forwards: int = 0
+    acceptance: list[int] = field(default_factory=list)
+    mismatches: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
+
+    def add(self, tokens: int, decode_s: float, forwards: int = 0, acceptance=()) -> None:
+        self.tokens += tokens
+        self.decode_s += decode_s
+        self.target_forwards += forwards
+        self.acceptance.extend(acceptance)
+
+
+def device_name() -> str:
+    if sys.platform == "darwin":
+        try:
+            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            chip = platform.machine()
+    else:
+        chip = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    chip = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return f"{chip} ({mx.default_device()})"
+
+
+def environment(pair) -> dict:
+    import mlx_lm
+
+    env = {
+        "device": device_name(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "target": str(pair.target_path),
+        "target_quantization": pair.quantization,
+        "drafter": str(pair.drafter_path) if pair.drafter_path else None,
+        "drafter_kind": getattr(pair.drafter, "kind", None),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        env["torch"] = None
+    return env
+
+
+def time_mlx_lm(pair, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """mlx-lm's stream_generate, greedy; (tokens, seconds from first token to last)."""
+    from mlx_lm import stream_generate as lm_stream
+
+    tokens, first_at, last_at = [], None, None
+    for r in lm_stream(pair.target.model, pair.tokenizer, ids, max_tokens=max_tokens):
+        now = time.perf_counter()
+        if r.finish_reason == "stop" and r.token in pair.tokenizer.eos_token_ids:
+            break
+        tokens.append(r.token)
+        first_at = first_at or now
+        last_at = now
+    return tokens, (last_at - first_at) if tokens else 0.0
+
+
+def time_ours(pair, ids, max_tokens, **kw):
+    result_ids, stats = [], None
+    for chunk in stream_generate(pair, ids, max_tokens=max_tokens, **kw):
+        result_ids.extend(chunk.token_ids)
+        stats = chunk.stats
+    decode_s = (stats.generated_tokens - 1) / stats.decode_tokens_per_second if stats.decode_tokens_per_second else 0.0
+    return result_ids, decode_s, stats
+
+
+def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], repeats: int = 1, warmup: int = 1,
+              baseline: bool = True, log=sys.stderr) -> dict:
+    if pair.drafter is None and block_sizes:
+        raise GlimmerError("this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)")
+    encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    methods = (["mlx_lm"] if baseline else []) + ["plain"] + [f"spec_b{b}" for b in block_sizes]
+    results = {m: Measurement(m) for m in methods}
+    for ids in encoded[:warmup]:
+        for b in block_sizes[:1]:
+            time_ours(pair, ids, 16, block_size=b)
+        time_ours(pair, ids, 16, speculative=False)
+    for rep in range(repeats):
+        for n, ids in enumerate(encoded):
+            reference = None
+            for m in methods:
+                if m == "mlx_lm":
+                    toks, dt = time_mlx_lm(pair, ids, max_tokens)
+                    results[m].add(max(len(toks) - 1, 0), dt)
+                else:
+                    spec = m != "plain"
+                    kw = {"block_size": int(m[6:])} if spec else {"speculative": False}
+                    toks, dt, stats = time_ours(pair, ids, max_tokens, **kw)
+                    results[m].add(max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths)
+                if reference is None:
+                    reference = toks
+                elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
+                    results[m].mismatches += 1
+            print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}", file=log, flush=True)
+    return {"environment": environment(pair), "max_tokens": max_tokens, "prompts": len(encoded), "repeats": repeats,
+            "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance}
+                        for m, r in results.items()}}
+
+
+def format_table(report: dict) -> str:
+    res = report["results"]
+    plain = res["plain"]["tokens_per_second"]
+    device = report["environment"]["device"]
+    lines = ["| device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token |",
+             "|---|---|---|---|---|---|"]
+    for m, r in res.items():
+        if not m.startswith("spec_"):
+            continue
+        per_token = r["target_forwards"] / max(r["tokens"] + 0, 1)
+        lines.append(
+            f"| {device} [{report['environment']['drafter_kind']}, block {m[6:]}] | {plain:.1f} | {r['tokens_per_second']:.1f} | "
+            f"{r['tokens_per_second'] / plain:.2f}x | {r['mean_acceptance']:.2f} | {per_token:.3f} |"
+        )
+    if "mlx_lm" in res:
+        base = res["mlx_lm"]["tokens_per_second"]
+        lines.append(f"\nmlx_lm.stream_generate {base:.1f} tok/s; our plain path {plain:.1f} tok/s ({plain / base:.3f}x of mlx-lm)")
+    bad = {m: r["mismatches"] for m, r in res.items() if r["mismatches"]}
+    lines.append("outputs identical across methods" if not bad else f"OUTPUT MISMATCHES: {bad}")
+    return "\n".join(lines)
+
+
+def add_bench_parser(sub, add_common) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure plain vs speculative tokens/s side by side",
+        description="Plain vs speculative decoding on the same target, interleaved per prompt, greedy. Prints "
+        "`device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token` and writes JSON.",
+    )
+    p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
+    p.add_argument("--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="JSONL prompts (default: held-out set)")
+    p.add_argument("--num-prompts", type=int, default=8, help="how many prompts (default 8)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    p.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: the drafter's)")
+    p.add_argument("--sweep-block-size", action="store_true", help="block sizes 2..16")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (default 1)")
+    p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
+    p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    p.add_argument("--json-out", default=None, help="write the JSON report here")
+    add_common(p)
+
+
+def cmd_bench(args, open_pair) -> int:
+    pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise GlimmerError(f"{path}: prompt file not found")
+    texts = load_prompts(path)[: args.num_prompts]
+    prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
+    if args.sweep_block_size:
+        sizes = list(range(2, 17))
+    elif args.block_sizes:
+        try:
+            sizes = [int(x) for x in args.block_sizes.split(",")]
+        except ValueError:
+            raise GlimmerError(f"--block-sizes: {args.block_sizes!r} is not a comma-separated list of integers") from None
+    else:
+        sizes = [pair.drafter.block_size] if pair.drafter is not None else []
+    report = run_bench(pair, prompts, max_tokens=args.max_tokens, block_sizes=sizes, repeats=args.repeats,
+                       warmup=args.warmup, baseline=not args.no_baseline)
+    report["command"] = " ".join(sys.argv)
+    print(format_table(report))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    return 0

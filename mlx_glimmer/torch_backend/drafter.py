@@ -1,0 +1,102 @@
+"""transformers' `MuseGlimmerAssistantModel` behind our drafter protocol (see `mlx_glimmer.speculative`).
+
+Each `propose` runs the assistant once on [new context features ; block], with
+transformers' `DFlashCache` protocol (the one its DFlash candidate generator
+uses): tell the cache how many context positions come in, crop the previous
+block's K/V, pass absolute position ids. The block may be shorter than
+`block_size` (the loop asks for fewer at the end). Draft logits come from the
+target's head, or from the rows of a distilled drafter's `draft_vocab`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafter import DrafterConfig
+from .sampling import probabilities, sample
+from .target import TorchTarget, cache_keyword
+
+
+class TorchDFlashDrafter:
+    kind = "dflash"
+
+    def __init__(self, model, config: DrafterConfig, target: TorchTarget, draft_vocab: torch.Tensor | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.config = config
+        self.target = target
+        self.target_layer_ids = tuple(config.target_layer_ids)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
+        self.draft_vocab = draft_vocab
+        self.cache_kw = cache_keyword(model.forward)
+        self._draft_head = None
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers.cache_utils import DFlashCache
+
+        self.cache = DFlashCache(config=self.model.config)
+        self.cache.activate_past_recording()
+        self._pending: list[torch.Tensor] = []
+        self._pending_len = 0
+        self._context = 0  # context positions inside the cache
+        self._block = 0  # block positions the last forward left in the cache
+
+    @property
+    def position(self) -> int:
+        return self._context + self._pending_len
+
+    def observe(self, tokens, features: torch.Tensor) -> None:
+        self._pending.append(features)
+        self._pending_len += features.shape[0]
+
+    def rollback(self, n: int) -> bool:
+        """Only not-yet-projected positions can be forgotten (the torch loop never needs more)."""
+        if n > self._pending_len:
+            return n == 0
+        if n:
+            feats = torch.cat(self._pending)[: self._pending_len - n]
+            self._pending = [feats] if feats.shape[0] else []
+            self._pending_len -= n
+        return True
+
+    def block_hidden(self, anchor: int, count: int) -> torch.Tensor:
+        """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""
+        feats = torch.cat(self._pending) if self._pending else None
+        n_new = 0 if feats is None else feats.shape[0]
+        self.cache.set_previous_accepted_tokens(n_new)
+        if self._block:
+            self.cache.crop(-self._block)
+        device = self.target.device
+        ids = torch.tensor([anchor] + [self.mask_token_id] * count, device=device)
+        noise = self.target.embed(ids)[None]
+        if feats is None:
+            feats = noise.new_zeros((0, len(self.target_layer_ids) * noise.shape[-1]))
+        positions = torch.arange(self._context, self._context + n_new + count + 1, device=device)[None]
+        out = self.model(
+            noise_embeds=noise, context_hidden_states=feats[None], position_ids=positions, **{self.cache_kw: self.cache}
+        )
+        self._context += n_new
+        self._pending, self._pending_len = [], 0
+        self._block = count + 1
+        return out.last_hidden_state[0]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is None:
+            return self.target.head(hidden)
+        if self._draft_head is None:
+            self._draft_head = self.target.lm_head.weight[self.draft_vocab]
+        return self.target.finish_logits(hidden @ self._draft_head.T)
+
+    def propose(self, anchor: int, count: int, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.draft_logits(self.block_hidden(anchor, count)[1:])
+        if params.greedy:
+            choice = torch.argmax(logits, dim=-1)
+            return (self.draft_vocab[choice] if self.draft_vocab is not None else choice), None
+        probs = probabilities(logits, params)
+        choice = sample(probs, generator)
+        if self.draft_vocab is None:
+            return choice, probs
+        full = probs.new_zeros((count, self.target.vocab_size))
+        full[:, self.draft_vocab] = probs
+        return self.draft_vocab[choice], full

@@ -1,0 +1,214 @@
+"""Opening a pair on torch with transformers' own classes.
+
+- A BUNDLE (or any mlx-lm directory): the target's flattened mlx-lm config is
+  turned back into a transformers config (`MuseGlimmerConfig` with a minimal
+  vision half for Muse, `AutoConfig.for_model` otherwise), the model is built
+  with empty parameters and filled with the bundle's weights, read and
+  dequantized by MLX (`weights.py`) and renamed from mlx-lm's names.
+- A transformers-layout directory (the original checkpoint): `from_pretrained`.
+- The drafter, either way: our `DrafterConfig` reader (transformers'
+  `muse_glimmer_assistant` and z-lab DFlash configs), a
+  `MuseGlimmerAssistantConfig` built from it, weights through MLX as above. A
+  distilled drafter's `draft_vocab` is kept beside the model.
+
+The tokenizer is mlx-lm's wrapper over the same files, so prompts, stop ids and
+text are those of the MLX backend.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..drafter import DFlashModel, DrafterConfig, read_drafter_config
+from ..errors import GlimmerError
+from ..loading import _check_model_dir, _check_safetensors, read_bundle_manifest, validate_pair
+from . import weights as W
+from .device import pick_device, pick_dtype
+from .drafter import TorchDFlashDrafter
+from .target import TorchTarget
+
+MLX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TorchPair:
+    target: TorchTarget
+    drafter: TorchDFlashDrafter | None
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    target_path: Path
+    drafter_path: Path | None
+    device: torch.device
+    dtype: torch.dtype
+    source: str  # "bundle" (weights dequantized by MLX) or "transformers" (from_pretrained)
+
+    @property
+    def name(self) -> str:
+        return self.target_path.parent.name if self.target_path.name == "target" else self.target_path.name
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise GlimmerError(f"{path}: not valid JSON ({e})") from None
+
+
+def is_mlx_layout(config: dict) -> bool:
+    """A bundle target / mlx-lm directory (flattened, maybe quantized) rather than a transformers checkpoint."""
+    nested_muse = config.get("model_type") == "muse_glimmer" and isinstance(config.get("text_config"), dict)
+    return "quantization" in config or (config.get("model_type") in W.MUSE_TYPES and not nested_muse)
+
+
+def mlx_compute_dtype(config: dict) -> torch.dtype:
+    """The float dtype MLX computes this target in: its config's dtype, else float32."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return MLX_DTYPES.get(str(name), torch.float32)
+
+
+def transformers_config(config: dict, where: Path):
+    """A transformers config from an mlx-lm config.json."""
+    cfg = {k: v for k, v in config.items() if k not in W.NOT_MODEL_KEYS and v is not None}
+    model_type = cfg.pop("model_type", None)
+    try:
+        if model_type in W.MUSE_TYPES:
+            from transformers import MuseGlimmerConfig
+
+            return MuseGlimmerConfig(text_config=cfg, vision_config=W.TINY_VISION, out_hidden_size=8,
+                                     projector_hidden_size=8)
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise GlimmerError(f"{where}: transformers cannot build a {model_type!r} config from it ({e})") from None
+
+
+def _model_class(model_type: str):
+    if model_type in W.MUSE_TYPES:
+        from transformers import MuseGlimmerForConditionalGeneration
+
+        return MuseGlimmerForConditionalGeneration
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def load_target_from_mlx(path: Path, config: dict, dtype: torch.dtype, device: torch.device) -> TorchTarget:
+    hf_config = transformers_config(config, path / "config.json")
+    model_type = config["model_type"]
+    cls = _model_class(model_type)
+    with W.empty_parameters():
+        model = cls.from_config(hf_config) if cls.__name__.startswith("Auto") else cls._from_config(hf_config)
+    raw = W.dequantize(W.read_mlx_weights(path), config.get("quantization"), path)
+    state = {W.transformers_name(k, model_type): W.to_torch(v, dtype) for k, v in raw.items()}
+    del raw
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    modules = {id(m): n for n, m in model.named_modules()}
+    head_name, embed_name = modules[id(head)] + ".weight", modules[id(embed)] + ".weight"
+    tied = head_name not in state
+    if tied and not (getattr(hf_config.get_text_config(), "tie_word_embeddings", False) and embed_name in state):
+        raise GlimmerError(f"{path}: no {head_name} and the config does not tie it to the embeddings")
+    if tied:
+        state[head_name] = state[embed_name]
+    W.assign(model, state, path, optional=W.VISION_PREFIXES)
+    if tied:
+        head.weight = embed.weight
+    return TorchTarget(model.to(device), device)
+
+
+def load_target_from_transformers(path: Path, config: dict, dtype: torch.dtype, device: torch.device) -> TorchTarget:
+    cls = _model_class(config.get("model_type"))
+    try:
+        model = cls.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise GlimmerError(f"{path}: transformers cannot load it ({e})") from None
+    return TorchTarget(model.to(device), device)
+
+
+def assistant_config(cfg: DrafterConfig):
+    from transformers import MuseGlimmerAssistantConfig
+
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("architectures", "model_type", "draft_vocab_size")}
+    if d.get("sliding_window") is None:
+        d.pop("sliding_window", None)
+    elif cfg.context_reach is not None:
+        # transformers' mask lets a query see |q - k| <= sliding_window: z-lab's reach is one less.
+        d["sliding_window"] = cfg.context_reach
+    return MuseGlimmerAssistantConfig(**d)
+
+
+def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> TorchDFlashDrafter:
+    from transformers import MuseGlimmerAssistantModel
+
+    path = Path(path)
+    _check_model_dir(path, "drafter")
+    cfg = read_drafter_config(path)
+    validate_pair(target, cfg, path)
+    for f in path.glob("model*.safetensors"):
+        _check_safetensors(f)
+    quant = _read_json(path / "config.json").get("quantization")
+    raw = W.dequantize(DFlashModel.sanitize(W.read_mlx_weights(path)), quant, path)
+    vocab = raw.pop("draft_vocab", None)
+    with W.empty_parameters():
+        model = MuseGlimmerAssistantModel._from_config(assistant_config(cfg))
+    W.assign(model, {k: W.to_torch(v, dtype) for k, v in raw.items()}, path)
+    draft_vocab = W.to_torch(vocab, torch.long).long().to(target.device) if vocab is not None else None
+    return TorchDFlashDrafter(model.to(target.device), cfg, target, draft_vocab)
+
+
+def load_torch(
+    path: str | Path | None = None,
+    *,
+    target: str | Path | None = None,
+    drafter: str | Path | None = None,
+    use_drafter: bool = True,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+) -> TorchPair:
+    """`mlx_glimmer.load` on torch: `load_torch(BUNDLE)` or `load_torch(target=DIR, drafter=DIR)`.
+
+    `dtype="auto"`: what MLX computes the target in (the bundle's dtype; float32
+    for a float32 bundle), or the checkpoint's dtype for a transformers directory.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise GlimmerError(f"{path}: no such bundle or directory")
+        if (path / "glimmer.json").is_file():
+            manifest = read_bundle_manifest(path)
+            target_path = path / manifest["target"]
+            if drafter is None and manifest.get("drafter"):
+                drafter = path / manifest["drafter"]
+        else:
+            target_path = path
+    elif target is not None:
+        target_path = Path(target)
+    else:
+        raise GlimmerError("no model given: pass a bundle path or target=DIR")
+    _check_model_dir(target_path, "target")
+    config = _read_json(target_path / "config.json")
+    if "model_type" not in config:
+        raise GlimmerError(f"{target_path / 'config.json'}: no model_type field")
+    for f in target_path.glob("*.safetensors"):
+        _check_safetensors(f)
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    mlx_layout = is_mlx_layout(config) or (path is not None and (path / "glimmer.json").is_file())
+    if isinstance(dtype, torch.dtype):
+        dt = dtype
+    elif mlx_layout:
+        dt = pick_dtype(dtype, mlx_compute_dtype(config))
+    else:
+        text = config.get("text_config") or config
+        dt = pick_dtype(dtype, MLX_DTYPES.get(str(text.get("dtype") or config.get("dtype")), torch.float32))
+    load = load_target_from_mlx if mlx_layout else load_target_from_transformers
+    tgt = load(target_path, config, dt, dev)
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    tokenizer = load_tokenizer(target_path, eos_token_ids=eos)
+    drafter_path = Path(drafter) if (drafter is not None and use_drafter) else None
+    d = load_torch_drafter(drafter_path, tgt, dt) if drafter_path is not None else None
+    return TorchPair(tgt, d, tokenizer, target_path, drafter_path, dev, dt, "bundle" if mlx_layout else "transformers")

@@ -1,0 +1,216 @@
+"""The chat app's plain parts: channel splitting, slash commands, history, transcript, stats text."""
+
+import json
+
+import pytest
+
+from mlx_glimmer import GenerationStats
+from mlx_glimmer.tui.channels import split_channels
+from mlx_glimmer.tui.commands import Command, CommandError, help_text, is_command, parse_command, prompt_text
+from mlx_glimmer.tui.history import InputHistory
+from mlx_glimmer.tui.session import Conversation, Settings, Turn, supports_reasoning
+from mlx_glimmer.tui.stats import histogram, sparkline, stats_rows, turn_summary
+from mlx_glimmer.tui.transcript import save_transcript, transcript_markdown
+
+MUSE = (
+    "to=self<|message|>Think first.<|eom|>"
+    "<|start|>assistant to=self<|message|>Then check.<|eom|>"
+    "<|start|>assistant to=user<|message|>The answer.<|eot|>"
+)
+
+# --- channels -------------------------------------------------------------------------------
+
+
+def test_plain_output_is_all_answer():
+    ch = split_channels("Just text, with <b>tags</b>.")
+    assert not ch.framed and ch.answer == "Just text, with <b>tags</b>." and ch.reasoning == []
+
+
+def test_muse_framing_splits_reasoning_blocks_from_the_answer():
+    ch = split_channels(MUSE)
+    assert ch.framed
+    assert ch.reasoning == ["Think first.", "Then check."]
+    assert ch.answer == "The answer."
+
+
+def test_tool_calls_are_shown_apart_like_reasoning():
+    text = "to=self<|message|>Need a tool.<|eom|><|start|>assistant to=search<|message|><atem:function_calls>{}<|eom|>"
+    assert split_channels(text).reasoning == ["Need a tool.", "{}"]
+
+
+def test_a_streamed_prefix_never_shows_marker_pieces():
+    final = split_channels(MUSE)
+    for cut in range(1, len(MUSE)):
+        ch = split_channels(MUSE[:cut], final=False)
+        shown = " ".join(ch.reasoning) + ch.answer
+        for piece in ("<|", "|>", "to=", "assistant"):
+            assert piece not in shown, MUSE[:cut]
+        # What is shown only grows into the final split.
+        assert final.answer.startswith(ch.answer)
+        for got, want in zip(ch.reasoning, final.reasoning):
+            assert want.startswith(got)
+
+
+def test_the_start_of_a_header_is_held_back_while_streaming():
+    assert split_channels("to=se", final=False).blocks == []
+    assert split_channels("to=se", final=True).answer == "to=se"
+
+
+# --- commands --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, command",
+    [
+        ("/clear", Command("clear")),
+        ("/help", Command("help")),
+        ("/stats", Command("stats")),
+        ("/system You are terse.", Command("system", "You are terse.")),
+        ("/system", Command("system", None)),
+        ("/temp 0.7", Command("temp", 0.7)),
+        ("/TEMP 0", Command("temp", 0.0)),
+        ("/block 8", Command("block", 8)),
+        ("/spec off", Command("spec", False)),
+        ("/spec ON", Command("spec", True)),
+        ("/reasoning xhigh", Command("reasoning", "xhigh")),
+        ("/save chat.md", Command("save", "chat.md")),
+    ],
+)
+def test_commands_parse_to_typed_values(line, command):
+    assert is_command(line)
+    assert parse_command(line) == command
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("/nope", "unknown command /nope; /help lists the commands"),
+        ("/claer", "unknown command /claer; did you mean /clear?"),
+        ("/temp", "usage: /temp X"),
+        ("/temp nan", "/temp must be a number >= 0, got nan"),
+        ("/temp -0.1", "/temp must be a number >= 0, got -0.1"),
+        ("/block 1.5", "/block needs a whole number, got '1.5'"),
+        ("/block -2", "/block must be >= 1, got -2"),
+        ("/spec yes", "usage: /spec on|off, got 'yes'"),
+        ("/reasoning max", "/reasoning takes one of low, medium, high, xhigh, got 'max'"),
+        ("/help me", "/help takes no argument"),
+    ],
+)
+def test_bad_commands_say_what_is_wrong(line, message):
+    with pytest.raises(CommandError) as e:
+        parse_command(line)
+    assert str(e.value) == message
+
+
+def test_a_double_slash_is_a_prompt_with_one_slash():
+    assert not is_command("//etc/hosts?") and prompt_text("//etc/hosts?") == "/etc/hosts?"
+    assert not is_command("hello") and prompt_text("hello") == "hello"
+
+
+def test_help_lists_every_command():
+    for name in ("/clear", "/system TEXT", "/temp X", "/block N", "/spec on|off", "/save FILE", "/stats", "/help"):
+        assert name in help_text()
+
+
+# --- history ---------------------------------------------------------------------------------
+
+
+def test_history_walks_back_and_returns_to_the_draft():
+    h = InputHistory()
+    for entry in ("one", "two", "two", "  "):
+        h.add(entry)
+    assert h.entries == ["one", "two"]
+    assert h.back("draft") == "two" and h.back("two") == "one" and h.back("one") is None
+    assert h.forward() == "two" and h.forward() == "draft" and h.forward() is None
+
+
+# --- session ---------------------------------------------------------------------------------
+
+
+def test_the_conversation_renders_system_turns_and_the_new_message():
+    conv = Conversation(Settings(system="Be kind."))
+    conv.turns.append(Turn("Hi", "Hello!"))
+    assert conv.messages("More") == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "More"},
+    ]
+
+
+def test_reasoning_strength_is_passed_only_when_the_template_has_it():
+    conv = Conversation(Settings(reasoning="low", temperature=0.5, block_size=4, speculative=False))
+    kwargs = conv.generation_kwargs()
+    assert "chat_template_kwargs" not in kwargs
+    assert (kwargs["temperature"], kwargs["block_size"], kwargs["speculative"]) == (0.5, 4, False)
+    conv.reasoning_supported = True
+    assert conv.generation_kwargs()["chat_template_kwargs"] == {"reasoning_strength": "low"}
+
+
+class FakeTokenizer:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+def test_reasoning_support_is_read_from_the_template_text():
+    assert supports_reasoning(FakeTokenizer("{{ reasoning_strength | default('high') }}"))
+    assert supports_reasoning(FakeTokenizer({"default": "x", "tools": "{% if reasoning_strength %}"}))
+    assert not supports_reasoning(FakeTokenizer("{% if enable_thinking %}"))
+    assert not supports_reasoning(FakeTokenizer(None))
+
+
+# --- transcript ------------------------------------------------------------------------------
+
+
+def stats(**kw):
+    base = dict(prompt_tokens=30, prefill_tokens=8, generated_tokens=9, target_forwards=3,
+                acceptance_lengths=[4, 2, 2], decode_tokens_per_second=40.0, finish_reason="stop")
+    return GenerationStats(**{**base, **kw})
+
+
+def test_the_transcript_puts_reasoning_in_details_above_the_answer(tmp_path):
+    turns = [Turn("Why?", MUSE, [1, 2], stats()), Turn("Stop", "partial", [3], stats(finish_reason="cancelled"), True)]
+    md = transcript_markdown(turns, model="demo", settings=Settings(system="Be brief."))
+    assert md.index("## System") < md.index("## You") < md.index("<summary>Reasoning</summary>")
+    assert md.index("Think first.") < md.index("Then check.") < md.index("The answer.")
+    assert "to=self" not in md and "<|eom|>" not in md
+    assert "prefilled 8 of 30 prompt tokens" in md and "cancelled" in md
+
+    md_path, json_path = save_transcript(tmp_path / "talk", turns, model="demo", settings=Settings())
+    assert (md_path.name, json_path.name) == ("talk.md", "talk.json")
+    record = json.loads(json_path.read_text())
+    assert record["model"] == "demo" and record["settings"]["temperature"] == 0.0
+    assert [t["text"] for t in record["turns"]] == [MUSE, "partial"]
+    assert record["turns"][0]["stats"]["mean_acceptance"] == pytest.approx(8 / 3)
+    assert record["turns"][1]["cancelled"] is True
+
+
+def test_save_refuses_a_json_name_for_the_transcript(tmp_path):
+    with pytest.raises(ValueError, match="name a Markdown file"):
+        save_transcript(tmp_path / "chat.json", [], model="m", settings=Settings())
+
+
+# --- stats text ------------------------------------------------------------------------------
+
+
+def test_stats_rows_and_summary():
+    rows = dict(stats_rows(stats(draft_s=1.0, verify_s=3.0, ttft_s=0.25, peak_memory_gb=2.5)))
+    assert rows["accept"] == "2.67 tok/round"
+    assert rows["draft"].startswith(" 25%") and rows["verify"].startswith(" 75%")
+    assert rows["TTFT"] == "250 ms" and rows["memory"] == "2.50 GB peak"
+    summary = "9 tokens · 40.0 tok/s · 2.67 tok/round · prefilled 8 of 30 prompt tokens · stop"
+    assert turn_summary(stats()) == summary
+
+
+def test_histogram_counts_rounds_by_committed_tokens():
+    assert histogram([1, 3, 3, 1, 1], width=6) == [
+        " 1 │██████ 3",
+        " 2 │       0",
+        " 3 │████   2",
+    ]
+    assert histogram([]) == []
+
+
+def test_sparkline_scales_to_the_block_and_keeps_the_newest_rounds():
+    assert sparkline([4, 2, 0, 1], top=4, width=10, height=1) == ["█▄ ▂"]
+    assert sparkline([1] * 5 + [4], top=4, width=3, height=2) == ["  █", "▄▄█"]

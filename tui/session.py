@@ -1,0 +1,134 @@
+"""A chat session without the UI: settings, turns, and running one turn.
+
+The app keeps a `Conversation` on the UI thread and runs `run_turn` on its
+MLX thread; the `DecodeState` passed to every turn keeps the KV cache and the
+drafter context, so a turn prefills only the tokens it adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlx_glimmer import DecodeState, GenerationStats, stream_generate
+
+from .channels import split_channels
+
+DEFAULT_REASONING = "high"
+
+
+@dataclass
+class Settings:
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    block_size: int | None = None  # None: the drafter's own
+    speculative: bool = True
+    system: str | None = None
+    reasoning: str = DEFAULT_REASONING
+
+
+@dataclass
+class Turn:
+    user: str
+    text: str = ""  # the raw decoded answer, channel framing included
+    token_ids: list[int] = field(default_factory=list)
+    stats: GenerationStats | None = None
+    cancelled: bool = False
+
+    @property
+    def answer(self) -> str:
+        return split_channels(self.text).answer
+
+    @property
+    def reasoning(self) -> list[str]:
+        return split_channels(self.text).reasoning
+
+
+def template_text(tokenizer) -> str:
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):
+        return "\n".join(map(str, t.values()))
+    return t if isinstance(t, str) else ""
+
+
+def supports_reasoning(tokenizer) -> bool:
+    return "reasoning_strength" in template_text(tokenizer)
+
+
+@dataclass
+class Conversation:
+    settings: Settings = field(default_factory=Settings)
+    turns: list[Turn] = field(default_factory=list)
+    reasoning_supported: bool = False
+
+    def messages(self, user: str) -> list[dict]:
+        """The chat so far plus a new user message, as the chat template takes it."""
+        out = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        for t in self.turns:
+            # The answer goes back exactly as generated, so the next turn's prompt
+            # extends the cached tokens instead of rewriting them.
+            out += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.text}]
+        return out + [{"role": "user", "content": user}]
+
+    def generation_kwargs(self) -> dict:
+        s = self.settings
+        kwargs = dict(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            block_size=s.block_size,
+            speculative=s.speculative,
+        )
+        if self.reasoning_supported:
+            kwargs["chat_template_kwargs"] = {"reasoning_strength": s.reasoning}
+        return kwargs
+
+
+def snapshot(stats: GenerationStats) -> GenerationStats:
+    """A copy the UI thread can read while the generator keeps updating the original."""
+    return dataclasses.replace(stats, acceptance_lengths=list(stats.acceptance_lengths))
+
+
+def run_turn(
+    pair,
+    messages: list[dict],
+    *,
+    state: DecodeState,
+    cancel: threading.Event | None = None,
+    on_progress: Callable[[str, GenerationStats], None] | None = None,
+    progress_interval: float = 1 / 30,
+    **kwargs,
+) -> Turn:
+    """Generate one answer; stops after the current round once `cancel` is set.
+
+    Closing the generator at a round boundary leaves `state` holding exactly
+    what the target processed, so the next turn reuses it.
+    """
+    text, ids, stats = [], [], GenerationStats()
+    chunks = stream_generate(pair, messages, state=state, **kwargs)
+    last = 0.0
+    try:
+        for chunk in chunks:
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            stats = chunk.stats
+            if on_progress is not None and time.monotonic() - last >= progress_interval:
+                on_progress("".join(text), snapshot(stats))
+                last = time.monotonic()
+            if cancel is not None and cancel.is_set():
+                break
+    finally:
+        chunks.close()
+    stats = snapshot(stats)
+    cancelled = stats.finish_reason is None
+    if cancelled:
+        stats.finish_reason = "cancelled"
+    return Turn(messages[-1]["content"], "".join(text), ids, stats, cancelled)

@@ -1,0 +1,159 @@
+"""The app's widgets: prompt input, conversation messages, stats panel."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Collapsible, Label, Markdown, Select, Static, TextArea
+
+from mlx_glimmer import GenerationStats
+
+from .channels import split_channels
+from .commands import REASONING_LEVELS
+from .history import InputHistory
+from .session import Turn
+from .stats import histogram, prefill_line, sparkline, stats_rows, turn_summary
+
+SPARKLINE_WIDTH = 36
+
+
+class PromptInput(TextArea):
+    """Multi-line input: enter sends, ctrl+j adds a line, up/down at the edges walk the history."""
+
+    BINDINGS = [
+        Binding("enter", "submit", "send"),
+        Binding("ctrl+j,shift+enter", "newline", "newline"),
+        Binding("up", "history_back", "history", show=False),
+        Binding("down", "history_forward", "history", show=False),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    def __init__(self, **kwargs):
+        super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)
+        self.recall = InputHistory()
+
+    async def _on_key(self, event) -> None:
+        # TextArea inserts a newline on enter before any binding runs, and a
+        # binding runs only after the keys typed behind it: act here, in order.
+        actions = {"enter": self.action_submit, "ctrl+j": self.action_newline, "shift+enter": self.action_newline}
+        if event.key in actions:
+            event.stop()
+            event.prevent_default()
+            actions[event.key]()
+            return
+        await super()._on_key(event)
+
+    def action_submit(self) -> None:
+        text = self.text.strip("\n")
+        if not text.strip():
+            return
+        self.recall.add(text)
+        self.load_text("")
+        self.post_message(self.Submitted(text))
+
+    def action_newline(self) -> None:
+        start, end = self.selection
+        self.replace("\n", start, end, maintain_selection_offset=False)
+
+    def _recall(self, entry: str | None) -> None:
+        if entry is not None:
+            self.load_text(entry)
+            self.move_cursor(self.document.end)
+
+    def action_history_back(self) -> None:
+        if self.cursor_location[0] == 0:
+            self._recall(self.recall.back(self.text))
+        else:
+            self.action_cursor_up()
+
+    def action_history_forward(self) -> None:
+        if self.cursor_location[0] == self.document.line_count - 1:
+            self._recall(self.recall.forward())
+        else:
+            self.action_cursor_down()
+
+
+class Note(Static):
+    """A user message, or an inline note from the app (info, error)."""
+
+    def __init__(self, text: str, kind: str, title: str | None = None):
+        super().__init__(text, markup=False, classes=f"note {kind}")
+        if title:
+            self.border_title = title
+
+
+class AssistantMessage(Vertical):
+    """Reasoning (collapsible, above) and answer: plain text while streaming, Markdown when done."""
+
+    def __init__(self):
+        super().__init__(classes="assistant")
+        self.border_title = "assistant"
+
+    def compose(self) -> ComposeResult:
+        # Kept by reference: Collapsible mounts its contents later than itself.
+        self.reasoning_text = Static("", markup=False, classes="reasoning-text")
+        yield Collapsible(self.reasoning_text, title="reasoning", collapsed=False)
+        yield Static("", markup=False, classes="answer-stream")
+        yield Static("", markup=False, classes="summary")
+
+    def _show_reasoning(self, blocks: list[str]) -> None:
+        self.set_class(bool(blocks), "-reasoning")
+        self.reasoning_text.update("\n\n".join(blocks))
+
+    def stream(self, text: str) -> None:
+        ch = split_channels(text, final=False)
+        self._show_reasoning(ch.reasoning)
+        self.query_one(".answer-stream", Static).update(ch.answer if ch.framed else text)
+
+    async def finish(self, turn: Turn) -> None:
+        ch = split_channels(turn.text)
+        self._show_reasoning(ch.reasoning)
+        self.query_one(Collapsible).collapsed = True
+        await self.query_one(".answer-stream").remove()
+        await self.mount(Markdown(ch.answer, classes="answer"), before=self.query_one(".summary"))
+        if turn.stats is not None:
+            self.query_one(".summary", Static).update(turn_summary(turn.stats))
+
+    @property
+    def answer_source(self) -> str | None:
+        """The Markdown shown for a finished answer (None while streaming)."""
+        found = self.query(Markdown)
+        return found.first().source if found else None
+
+
+class StatsPanel(Vertical):
+    def compose(self) -> ComposeResult:
+        yield Label("reasoning strength", id="reasoning-label")
+        yield Select([(r, r) for r in REASONING_LEVELS], allow_blank=False, value="high", id="reasoning", compact=True)
+        yield Static("", id="numbers", markup=False)
+        yield Label("tokens committed per round")
+        yield Static("", id="rounds", markup=False)
+        yield Static("", id="histogram", markup=False)
+
+    def on_mount(self) -> None:
+        self.border_title = "stats"
+        self.show_reasoning(False)
+        self.show(None)
+
+    def show_reasoning(self, visible: bool) -> None:
+        self.query_one("#reasoning-label").display = visible
+        self.query_one("#reasoning").display = visible
+
+    def show(self, stats: GenerationStats | None) -> None:
+        rows = stats_rows(stats)
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        if stats is not None:
+            lines += ["", prefill_line(stats)]
+        self.query_one("#numbers", Static).update("\n".join(lines))
+        lengths = stats.acceptance_lengths if stats is not None else []
+        top = max([stats.block_size if stats is not None else 1, *lengths])
+        width = self.query_one("#rounds").size.width or SPARKLINE_WIDTH
+        self.query_one("#rounds", Static).update("\n".join(sparkline(lengths, top, width)))
+        self.query_one("#histogram", Static).update("\n".join(histogram(lengths)))
