@@ -16,7 +16,7 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -170,7 +170,8 @@ def stream_generate(
             detok.add_token(t)
         if stats.finish_reason is not None:
             detok.finalize()
-        yield GenerationChunk(detok.last_segment, new, stats)
+        # A snapshot: chunks kept by the caller keep the figures of their moment.
+        yield GenerationChunk(detok.last_segment, new, replace(stats, acceptance_lengths=list(stats.acceptance_lengths)))
     if stats.finish_reason is None:  # max_tokens == 0
         stats.finish_reason = "length"
 

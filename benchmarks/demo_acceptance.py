@@ -1,0 +1,59 @@
+"""Held-out acceptance of the demo pair: the issue-4 measurement.
+
+    python benchmarks/demo_acceptance.py [BUNDLE] [--max-tokens 128] [--block-size 16] [--out FILE]
+
+Every held-out prompt (mlx_glimmer/data/prompts_heldout.jsonl), chat template
+applied, greedy, block 16, 128 new tokens: tokens committed per target forward,
+per prompt and overall; also checks each answer equals plain greedy decoding.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import mlx_glimmer
+from mlx_glimmer.demo import demo_bundle
+from mlx_glimmer.distill.data import DATA_DIR, load_prompts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundle", nargs="?")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--no-check", action="store_true", help="skip the plain-greedy comparison")
+    ap.add_argument("--out", default="benchmarks/results/demo_acceptance.json")
+    args = ap.parse_args()
+    pair = mlx_glimmer.load(args.bundle or demo_bundle())
+    prompts = load_prompts(DATA_DIR / "prompts_heldout.jsonl")[: args.limit]
+    rows, tokens, forwards, mismatches = [], 0, 0, 0
+    for i, p in enumerate(prompts):
+        msgs = [{"role": "user", "content": p}]
+        r = mlx_glimmer.generate(pair, msgs, max_tokens=args.max_tokens, block_size=args.block_size)
+        same = None
+        if not args.no_check:
+            same = r.token_ids == mlx_glimmer.generate(pair, msgs, max_tokens=args.max_tokens, speculative=False).token_ids
+            mismatches += not same
+        tokens += sum(r.stats.acceptance_lengths)
+        forwards += r.stats.target_forwards
+        rows.append({"prompt": p, "mean_acceptance": r.stats.mean_acceptance, "tokens": r.stats.generated_tokens,
+                     "target_forwards": r.stats.target_forwards, "equals_plain": same})
+        print(f"{i + 1}/{len(prompts)} acceptance {r.stats.mean_acceptance:.2f}", file=sys.stderr, flush=True)
+    per = [r["mean_acceptance"] for r in rows]
+    summary = {
+        "bundle": str(pair.target_path.parent), "drafter": str(pair.drafter_path), "prompts": len(rows),
+        "max_tokens": args.max_tokens, "block_size": args.block_size,
+        "mean_acceptance": tokens / max(forwards, 1), "per_prompt_median": statistics.median(per),
+        "per_prompt_min": min(per), "per_prompt_max": max(per), "plain_mismatches": mismatches, "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
