@@ -13,7 +13,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .. import __version__
 from ..errors import GlimmerError
@@ -127,10 +126,10 @@ def convert(
     group_size: int = 64,
     dtype: str | None = None,
     drafter_bits: int | None = None,
+    embed_bits: int | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD,
     force: bool = False,
     progress: Progress | None = None,
-    on_planned: Callable[[list[ModelPlan]], None] | None = None,
 ) -> ConvertReport:
     """Convert a target (HF dir, repo id or .gguf) and optionally its drafter into a bundle at `out`.
 
@@ -139,7 +138,7 @@ def convert(
     started = time.perf_counter()
     out = Path(out).expanduser()
     drafter_bits = bits if drafter_bits is None else drafter_bits
-    for flag, value in (("--bits", bits), ("--drafter-bits", drafter_bits)):
+    for flag, value in (("--bits", bits), ("--drafter-bits", drafter_bits), ("--embed-bits", embed_bits or bits)):
         if value not in BITS:
             raise GlimmerError(f"{flag}: {value} is not one of {', '.join(map(str, BITS))}")
     if group_size not in GROUP_SIZES:
@@ -153,18 +152,19 @@ def convert(
     target_src = resolve(str(target), "target")
     dtype = dtype or ("float16" if target_src.kind == "gguf" else "bfloat16")
     plan = plan_gguf if target_src.kind == "gguf" else plan_target
-    plans = [plan(target_src, bits, group_size, dtype)]
+    plans = [plan(target_src, bits, group_size, dtype, embed_bits)]
     if drafter is not None:
         drafter_src = resolve(str(drafter), "drafter")
         probe = target_shape_probe(plans[0])
         plans.append(plan_drafter(drafter_src, probe, drafter_bits, group_size, dtype))
     _check_out(out, [p.source for p in plans])
-    if on_planned is not None:
-        on_planned(plans)
 
     progress = progress or Progress()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise GlimmerError(f"{out.parent}: cannot create the bundle there ({e.strerror or e})") from None
     try:
         progress.start(sum(p.source_bytes for p in plans), sum(len(p.items) for p in plans))
         reports = [_report(p, _write_model(p, staging / p.name, max_shard_bytes, progress)) for p in plans]
@@ -179,6 +179,7 @@ def convert(
             "sources": {p.name: p.source.spec for p in plans},
             "bits": bits,
             "drafter_bits": drafter_bits if drafter is not None else None,
+        "embed_bits": embed_bits if embed_bits is not None else bits,
             "group_size": group_size,
             "dtype": dtype,
             "tool_version": __version__,

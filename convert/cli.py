@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import GlimmerError
 from .bundle import BITS, DEFAULT_MAX_SHARD, GROUP_SIZES, ConvertReport, Progress, convert
 from .quantize import FLOAT_DTYPES
 
@@ -61,6 +62,11 @@ def add_convert_parser(sub) -> None:
         choices=tuple(FLOAT_DTYPES),
         default=None,
         help="float type of unquantized weights and of quantization scales (default bfloat16; float16 for a GGUF target)",
+    )
+    c.add_argument(
+        "--embed-bits", type=int, choices=BITS, default=None, metavar="N",
+        help="bits for the token embedding and lm_head (default: --bits). 8 with --bits 4 kept more greedy "
+        "choices of SmolLM2-135M (70%% vs 56%% agreement with float) and adds about 1.3 GB (+9%%) to the 30B target",
     )
     c.add_argument(
         "--drafter-bits", type=int, choices=BITS, default=None, metavar="N",
@@ -125,7 +131,17 @@ def format_report(report: ConvertReport) -> str:
 
 def cmd_convert(args) -> int:
     show = not args.quiet
-    report = convert(
+    try:
+        report = run_convert(args, BarProgress() if show and sys.stderr.isatty() else None)
+    except OSError as e:  # disk full, permissions: the bundle is gone, say why in one line
+        raise GlimmerError(f"{e.filename or args.out}: {e.strerror or e}") from None
+    if show:
+        print(format_report(report))
+    return 0
+
+
+def run_convert(args, progress) -> ConvertReport:
+    return convert(
         args.target,
         args.out,
         drafter=args.drafter,
@@ -133,10 +149,8 @@ def cmd_convert(args) -> int:
         group_size=args.group_size,
         dtype=args.dtype,
         drafter_bits=args.drafter_bits,
+        embed_bits=args.embed_bits,
         max_shard_size=args.max_shard_size,
         force=args.force,
-        progress=BarProgress() if show and sys.stderr.isatty() else None,
+        progress=progress,
     )
-    if show:
-        print(format_report(report))
-    return 0

@@ -6,7 +6,7 @@ from ..drafter import DFlashModel, DrafterConfig
 from ..errors import GlimmerError
 from ..loading import validate_pair
 from .plan import ModelPlan, finish_config, match_weights, read_config
-from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, quantizable_weights
+from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import checkpoint_tensors
 from .sources import Source
 
@@ -41,7 +41,7 @@ def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name:
     match_weights(tensors, model, source.path, "the drafter described by its config.json")
 
     default = QuantSpec(bits, group_size) if bits < 16 else None
-    quantized = quantizable_weights(model, tensors, default) if default else {}
+    quantized = weight_specs(model, tensors, bits, group_size, None)
     dtype = FLOAT_DTYPES[dtype_name]
     items = [
         TensorItem(name, ref, dtype, quantized.get(name))

@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import zipfile
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 
 from ..errors import GlimmerError
 from .plan import ModelPlan, finish_config, match_weights
-from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, quantizable_weights
+from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import CHUNK_BYTES, MX_CODES
 from .sources import Source
 from .target_plan import build_model
@@ -198,7 +197,11 @@ def _open(path: Path):
 
 def _meta(reader, key: str, default=None):
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    value = field.contents()
+    # float32 metadata: 1e-5 reads back as 9.999999747378752e-06
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def _hf_name(gguf_name: str, path: Path) -> str | None:
@@ -266,7 +269,9 @@ def load_gguf_tokenizer(path: Path):
         hf_logging.set_verbosity(verbosity)
 
 
-def plan_gguf(source: Source, bits: int, group_size: int, dtype_name: str) -> ModelPlan:
+def plan_gguf(
+    source: Source, bits: int, group_size: int, dtype_name: str, embed_bits: int | None = None
+) -> ModelPlan:
     path = source.path
     reader = _open(path)
     arch = _meta(reader, "general.architecture")
@@ -290,7 +295,7 @@ def plan_gguf(source: Source, bits: int, group_size: int, dtype_name: str) -> Mo
     model = build_model(config, path)
     match_weights(tensors, model, path, "a llama model with the GGUF's hyperparameters")
     dtype = FLOAT_DTYPES[dtype_name]
-    requant = quantizable_weights(model, tensors, QuantSpec(bits, group_size)) if bits < 16 else {}
+    requant = weight_specs(model, tensors, bits, group_size, embed_bits)
     items, quantized = [], {}
     for name, t in tensors.items():
         if bits < 16 and t.type_name in PACKED_TYPES:
@@ -301,12 +306,11 @@ def plan_gguf(source: Source, bits: int, group_size: int, dtype_name: str) -> Mo
             if item.quant is not None:
                 quantized[name] = item.quant
         items.append(item)
-    default = Counter(quantized.values()).most_common(1)[0][0] if quantized else None
     tokenizer = load_gguf_tokenizer(path)
     return ModelPlan(
         name="target",
         source=source,
-        config=finish_config(config, quantized, dtype_name, default),
+        config=finish_config(config, quantized, dtype_name, None),
         items=items,
         quantized=quantized,
         write_extras=tokenizer.save_pretrained,

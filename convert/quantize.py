@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from .safetensors_stream import CHUNK_BYTES, MX_CODES, num_rows
 
+EMBED_AND_HEAD = ("embed_tokens.weight", "lm_head.weight")
 FLOAT_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -106,6 +107,15 @@ def quantizable_weights(model: nn.Module, names, spec: QuantSpec) -> dict[str, Q
         else:
             out[name] = spec
     return out
+
+
+def weight_specs(model: nn.Module, names, bits: int, group_size: int, embed_bits: int | None) -> dict[str, QuantSpec]:
+    """The weights to quantize and how: `bits` for all, `embed_bits` for the token embedding and
+    output head; 16 bits means float (left out)."""
+    specs = quantizable_weights(model, names, QuantSpec(bits, group_size))
+    if embed_bits is not None:
+        specs.update({k: QuantSpec(embed_bits, group_size) for k in specs if k.endswith(EMBED_AND_HEAD)})
+    return {k: s for k, s in specs.items() if s.bits < 16}
 
 
 def quantization_config(specs: dict[str, QuantSpec], default: QuantSpec | None = None) -> dict | None:

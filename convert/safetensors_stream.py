@@ -23,7 +23,7 @@ from ..errors import GlimmerError
 
 INDEX_FILE = "model.safetensors.index.json"
 # Source bytes per row block; bounds the working set of one conversion step.
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 
 DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "F64": (np.dtype("<f8"), mx.float32),
@@ -251,6 +251,7 @@ def _write_shard(items: Sequence[Item], path: Path, on_progress: Callable[[int, 
                 mx.eval(arrays)
                 for arr, (pos, row_bytes), (name, code, shape) in zip(arrays, slots, expected):
                     assert MX_CODES[arr.dtype] == code and tuple(arr.shape[1:]) == tuple(shape[1:]), (name, arr.shape, shape)
+                    assert arr.nbytes == row_bytes * (stop - start), (name, arr.shape, shape)
                     f.seek(data_start + pos + start * row_bytes)
                     f.write(_as_bytes(arr))
                 del arrays

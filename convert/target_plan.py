@@ -11,7 +11,7 @@ from mlx_lm.utils import _get_classes
 from ..errors import GlimmerError
 from ..loading import TEXT_PREFIXES
 from .plan import ModelPlan, finish_config, match_weights, read_config
-from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, quantizable_weights
+from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import DTYPES, checkpoint_tensors
 from .sources import Source
 
@@ -78,7 +78,9 @@ def tokenizer_copier(src: Path) -> Callable[[Path], None]:
     return copy
 
 
-def plan_target(source: Source, bits: int, group_size: int, dtype_name: str) -> ModelPlan:
+def plan_target(
+    source: Source, bits: int, group_size: int, dtype_name: str, embed_bits: int | None = None
+) -> ModelPlan:
     config_path = source.path / "config.json"
     raw = read_config(source.path)
     if "model_type" not in raw:
@@ -99,7 +101,7 @@ def plan_target(source: Source, bits: int, group_size: int, dtype_name: str) -> 
 
     dtype = FLOAT_DTYPES[dtype_name]
     default = QuantSpec(bits, group_size) if bits < 16 else None
-    quantized = quantizable_weights(model, tensors, default) if default else {}
+    quantized = weight_specs(model, tensors, bits, group_size, embed_bits)
     keep_dtype = getattr(model, "cast_predicate", None)
     items = []
     for name, ref in sorted(tensors.items(), key=lambda kv: (str(kv[1].file), kv[1].offset)):

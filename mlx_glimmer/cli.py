@@ -53,6 +53,20 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
 
 
+def add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter directory replacing the bundle's: a DFlash checkpoint, or any mlx-lm model with the "
+        "target's tokenizer (classic drafting)",
+    )
+    p.add_argument(
+        "--draft-k", type=positive_int, default=None,
+        help="tokens per round for a draft model (default: adaptive) or prompt lookup (default 10)",
+    )
+    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="mlx-glimmer",
@@ -69,16 +83,14 @@ def build_parser() -> Parser:
     g.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
-    g.add_argument(
-        "--drafter",
-        default=None,
-        help="drafter directory replacing the bundle's: a DFlash checkpoint, or any mlx-lm model with the "
-        "target's tokenizer (classic drafting)",
-    )
-    g.add_argument("--draft-k", type=positive_int, default=None, help="tokens per round for a draft model or prompt lookup (default: adaptive / 10)")
-    g.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no drafter model)")
+    add_drafter_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+
+    from .torch_backend.cli import add_backend_flags, add_parity_parser
+
+    add_backend_flags(g)
+    add_parity_parser(sub)
 
     from .convert.cli import add_convert_parser
 
@@ -87,12 +99,7 @@ def build_parser() -> Parser:
     from .bench import add_bench_parser
     from .distill.run import add_distill_parser
 
-    def drafter_flags(p):
-        p.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's (DFlash or a causal LM)")
-        p.add_argument("--draft-k", type=positive_int, default=None, help="tokens per round for a draft model / prompt lookup")
-        p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup instead")
-
-    add_bench_parser(sub, drafter_flags)
+    add_bench_parser(sub, add_drafter_flags)
 
     add_distill_parser(sub)
 
@@ -141,12 +148,10 @@ def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool 
 
 
 def cmd_generate(args) -> int:
-    from .generate import stream_generate
+    from .torch_backend.cli import open_backend
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pair = open_pair(
-        args.bundle, args.drafter, use_drafter=not args.no_spec, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup
-    )
+    pair, stream_generate = open_backend(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -232,6 +237,12 @@ def cmd_distill(args) -> int:
     return run(args, open_pair)
 
 
+def cmd_parity(args) -> int:
+    from .torch_backend.cli import cmd_parity as run
+
+    return run(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import build_demo, cache_dir
 
@@ -241,7 +252,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill, "bench": cmd_bench, "demo": cmd_demo}
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill, "bench": cmd_bench, "demo": cmd_demo,
+            "parity": cmd_parity}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,8 @@ class DrafterConfig:
             d["num_target_layers"] = self.num_target_layers
         if self.draft_vocab_size is not None:
             d["draft_vocab_size"] = self.draft_vocab_size
+        if self.sliding_window is not None and self.context_reach != self.sliding_window:
+            d["context_reach"] = self.context_reach
         return d
 
 

@@ -86,7 +86,18 @@ def build_muse_target(
     max_shard_size: str | None = None,
     vocab_size: int = VOCAB_SIZE,
     weight_std: float = 0.15,
+    qk_scale_factor: float | None = None,
+    post_norm_scale: float | None = None,
+    head_from_embeddings: bool = False,
 ) -> Path:
+    """A tiny random Muse Glimmer (VLM layout, vision tower included).
+
+    Random tiny transformers are chaotic: a 0.4% weight perturbation (bf16)
+    flips ~20% of greedy argmaxes. For quantization-quality checks,
+    `post_norm_scale` (the centered post-norms' 1 + w, ~[s, s + 0.1]),
+    `head_from_embeddings` (lm_head rows = embedding rows, as in tied models)
+    and a softer `qk_scale_factor` give peaked, stable predictions.
+    """
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -105,6 +116,8 @@ def build_muse_target(
         pad_token_id=EOS_ID if vocab_size > EOS_ID else None,
         output_multiplier=1.0,
     )
+    if qk_scale_factor is not None:
+        text["qk_scale_factor"] = qk_scale_factor
     vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
     config = MuseGlimmerConfig(
         text_config=text, vision_config=vision, out_hidden_size=32, projector_hidden_size=32
@@ -116,6 +129,15 @@ def build_muse_target(
             if param.ndim == 2 and "language_model" in name or name.startswith("lm_head"):
                 param.normal_(0.0, weight_std)
     randomise_norms(model, seed + 1)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        if post_norm_scale is not None:
+            for name, param in params.items():
+                if "language_model" in name and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+                    param.copy_(post_norm_scale - 1 + 0.1 * torch.rand(param.shape, generator=gen))
+        if head_from_embeddings:
+            params["lm_head.weight"].copy_(params["model.language_model.embed_tokens.weight"])
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     write_tokenizer(path)

@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# Torch/CUDA checks of mlx-glimmer on a lent GPU machine that has NO network.
+#
+# What that machine has (DESIGN.md section 6; the device tool's KINDS.md):
+#   Python 3.12, torch 2.11 (CUDA 13), transformers 5.17, numpy, safetensors,
+#   tokenizers, jinja2, pytest, scipy. transformers 5.17 already has
+#   MuseGlimmerForConditionalGeneration, MuseGlimmerAssistantModel, DFlashCache
+#   and DynamicSlidingWindowLayer.activate_past_recording: our torch backend runs
+#   on it as is (the cache argument is `past_key_values` there, `cache` in 5.24;
+#   target.cache_keyword picks it), so no transformers wheel is carried.
+#   Missing: mlx, mlx-lm (and textual, which these checks do not need).
+#
+# What travels (64 MiB in all, the working tree included, about 1 MB):
+#   .whl/         mlx 0.32.4 cp312 (0.8 MB) + mlx-cpu 0.32.4 (10.5 MB) + mlx-lm 0.32.2
+#                 (0.5 MB) = 11.8 MB: MLX's CPU backend, for the MLX half of parity,
+#                 the converter and the bundle loader (weights are dequantized by MLX).
+#   .carry/demo/  optional (--prepare --with-demo): the SmolLM2-135M demo target at
+#                 2-bit, group 64, float16 scales, about 45 MB with its tokenizer.
+# What does not fit: mlx-cuda-13 (89.8 MB, so MLX never runs on the GPU), the float32
+#   demo target (538 MB), a 4-bit one (~76 MB + 3.5 MB tokenizer), a 3-bit one (~62 MB),
+#   the SmolLM2 GGUF (98 MB) to rebuild from, a float16 trained demo drafter beside a
+#   2-bit target. So the real-size checks use the 2-bit demo; everything else runs on
+#   tiny random checkpoints built on the device with its own transformers.
+#
+# Usage:
+#   here, once, with network:   bash benchmarks/device_check.sh --prepare [--with-demo]
+#   on the device:              run(command="bash benchmarks/device_check.sh",
+#                                   carry=[".whl", ".carry"], timeout_s=560)
+#   here, to test the script:   bash benchmarks/device_check.sh --device cpu --no-install
+# Options: --device cuda|cpu|mps (default cuda), --no-install (use this python's
+#   packages), --quick (fewer prompts/tokens). Steps have timeouts; the whole run
+#   stays under about 8 minutes on the device.
+# Output: one directory, $OUT if set, else ./device_out (8 files at most, the
+#   device tool's limit): summary.txt (environment + one line per step),
+#   log.txt (everything), pytest.txt, parity_tiny.txt, parity_tiny.json,
+#   cuda_checks.txt, demo.txt, demo_parity.json.
+
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEVICE=cuda
+INSTALL=1
+QUICK=0
+PREPARE=0
+WITH_DEMO=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE=$2; shift ;;
+    --no-install) INSTALL=0 ;;
+    --quick) QUICK=1 ;;
+    --prepare) PREPARE=1 ;;
+    --with-demo) WITH_DEMO=1 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+PY=${PYTHON:-python3}
+
+if [ "$PREPARE" = 1 ]; then
+  # Runs here (network), fills the ignored folders the device run carries.
+  PY=${PYTHON:-.venv/bin/python}
+  for d in /.whl/ /.carry/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+  mkdir -p .whl .carry
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    -d .whl mlx==0.32.4 mlx-cpu==0.32.4 mlx-lm==0.32.2 || exit 1
+  if [ "$WITH_DEMO" = 1 ]; then
+    rm -rf .carry/demo
+    $PY - <<'EOF' || exit 1
+from mlx_glimmer.convert.bundle import convert
+from mlx_glimmer.demo import SHIPPED_DRAFTER, demo_bundle
+# The GGUF converts natively (4-bit blocks, 8-bit embedding: 98 MB); requantize the float32 demo target instead.
+target = demo_bundle() / "target"
+drafter = SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "config.json").is_file() else None
+convert(target, ".carry/demo", drafter=drafter, bits=2, drafter_bits=4, group_size=64, dtype="float16")
+EOF
+  fi
+  total=$(du -scb .whl .carry $(git ls-files) $(git ls-files -o --exclude-standard) 2>/dev/null | tail -1 | cut -f1)
+  du -sh .whl .carry/* 2>/dev/null
+  echo "travels: $((total / 1048576)) MiB of 64 MiB"
+  [ "$total" -lt $((64 * 1048576)) ] || { echo "too big to carry" >&2; exit 1; }
+  exit 0
+fi
+
+OUT=${OUT:-$ROOT/device_out}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/glimmer-check.XXXXXX)
+LOG=$OUT/log.txt
+SUMMARY=$OUT/summary.txt
+: > "$LOG"
+: > "$SUMMARY"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 MLX_GLIMMER_CACHE=$WORK/cache
+if [ "$QUICK" = 1 ]; then NP=2; NT=24; else NP=4; NT=64; fi
+
+step() {  # step NAME SECONDS OUTFILE CMD...: run CMD with a timeout, tee to OUTFILE and the log, record the result
+  local name=$1 limit=$2 out=$3; shift 3
+  local t0=$SECONDS rc
+  echo "=== $name: $*" >> "$LOG"
+  timeout "$limit" "$@" > >(tee -a "$out" >> "$LOG") 2>> "$LOG"
+  rc=$?
+  sleep 0.2
+  if [ $rc = 0 ]; then s=ok; elif [ $rc = 124 ]; then s="TIMEOUT after ${limit}s"; else s="FAIL (exit $rc)"; fi
+  echo "$name: $s in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)  host: $(uname -srm)  device flag: $DEVICE"
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+} >> "$SUMMARY"
+
+# 1. Packages: carried wheels into /tmp/site, our source as a package tree (no build step needed).
+if [ "$INSTALL" = 1 ]; then
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    step install-wheels 120 /dev/null $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$WORK/site" .whl/*.whl
+  else
+    echo "install-wheels: no .whl/ carried (run --prepare here first)" | tee -a "$SUMMARY"
+  fi
+  mkdir -p "$WORK/src"
+  cp -r mlx_glimmer "$WORK/src/" && cp -r convert "$WORK/src/mlx_glimmer/convert" && cp -r tui "$WORK/src/mlx_glimmer/tui"
+  export PYTHONPATH=$WORK/src:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+GLIMMER="$PY -m mlx_glimmer.cli"
+$PY - >> "$SUMMARY" 2>&1 <<'EOF'
+import platform, torch, transformers, numpy
+try:
+    import mlx.core as mx, mlx_lm
+    mlx = f"mlx {mx.__version__} ({mx.default_device()}), mlx-lm {mlx_lm.__version__}"
+except ImportError as e:
+    mlx = f"no mlx ({e})"
+cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no cuda"
+print(f"python {platform.python_version()}, torch {torch.__version__} ({cuda}), transformers {transformers.__version__}, "
+      f"numpy {numpy.__version__}, {mlx}")
+from transformers import MuseGlimmerAssistantModel, MuseGlimmerForConditionalGeneration  # noqa: F401
+print("transformers has MuseGlimmerForConditionalGeneration and MuseGlimmerAssistantModel")
+EOF
+
+# 2. Tiny random checkpoints (as the tests build them) and bundles made from them by our converter.
+CK=$WORK/ckpt
+step build-tiny 180 /dev/null $PY - "$CK" <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+import tiny_checkpoints as tc
+from mlx_glimmer.convert.bundle import convert
+root = Path(sys.argv[1])
+tc.build_muse_target(root / "muse")
+tc.build_assistant(root / "assistant", target_layer_ids=[1, 3, 5])
+tc.build_llama_target(root / "llama")
+tc.build_assistant(root / "llama_assistant", target_layer_ids=[1, 2, 4], sliding_window=8)
+for name, drafter, bits in [("muse", "assistant", 16), ("muse", "assistant", 8), ("llama", "llama_assistant", 16)]:
+    convert(root / name, root / f"{name}-{bits}", drafter=root / drafter, bits=bits, group_size=32, dtype="float32")
+print("built", sorted(p.name for p in root.iterdir()))
+EOF
+
+# 3. The torch backend's tests (CPU inside: the transformers / Python of this machine).
+step pytest 300 "$OUT/pytest.txt" $PY -m pytest -q -p no:cacheprovider tests/test_torch_backend.py
+
+# 4. Parity, MLX CPU vs torch on $DEVICE, on the tiny bundles (window 8: every run is far past it).
+: > "$OUT/parity_tiny.txt"
+for spec in "muse-16 float32" "muse-16 bfloat16" "muse-8 float32" "llama-16 float32"; do
+  set -- $spec
+  echo "--- parity $1 torch $2" >> "$OUT/parity_tiny.txt"
+  step "parity-$1-$2" 150 "$OUT/parity_tiny.txt" $GLIMMER parity "$CK/$1" --device "$DEVICE" --torch-dtype "$2" \
+    --num-prompts $NP --max-tokens $NT --json "$WORK/parity-$1-$2.json"
+done
+$PY - "$WORK" "$OUT/parity_tiny.json" <<'EOF' >> "$LOG" 2>&1
+import json, sys
+from pathlib import Path
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("parity-*.json"))}
+Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+EOF
+
+# 5. On $DEVICE: torch speculative == torch plain == MLX plain for 220 tokens (window 8), float32 and bfloat16;
+#    generate --backend torch --json.
+step lossless 150 "$OUT/cuda_checks.txt" $PY - "$CK" "$DEVICE" <<'EOF'
+import sys, time
+import mlx_glimmer
+from mlx_glimmer.speculative import generate_steps as mlx_steps
+from mlx_glimmer.torch_backend import load_torch
+from mlx_glimmer.torch_backend.speculative import generate_steps
+ck, device = sys.argv[1], sys.argv[2]
+prompt = [256] + list(b"Once upon a time")
+toks = lambda steps: [t for s in steps for t in s.tokens]
+ref = toks(mlx_steps(mlx_glimmer.load(target=f"{ck}/muse").target, prompt, max_tokens=220))
+failed = False
+for dtype in ("float32", "bfloat16"):
+    pair = load_torch(target=f"{ck}/muse", drafter=f"{ck}/assistant", device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    plain = toks(generate_steps(pair.target, prompt, max_tokens=220))
+    t1 = time.perf_counter()
+    for block in (4, 16):
+        steps = list(generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=block, max_tokens=220))
+        ok = toks(steps) == plain
+        failed |= not ok
+        print(f"{device} {dtype} block {block}: speculative == plain over 220 tokens: {ok}; "
+              f"{len(steps) - 1} target forwards")
+    same = plain == ref
+    failed |= dtype == "float32" and not same
+    print(f"{device} {dtype}: torch plain == MLX CPU float32 plain: {same}; plain {220 / (t1 - t0):.0f} tok/s (tiny model)")
+sys.exit(1 if failed else 0)
+EOF
+step generate-json 120 "$OUT/cuda_checks.txt" $GLIMMER generate "$CK/muse-8" --backend torch --device "$DEVICE" \
+  --prompt "Hello there" --chat --max-tokens 40 --block-size 4 --json
+
+# 6. The 2-bit SmolLM2 demo pair, if carried: parity (MLX CPU is slow on quantized weights: few prompts),
+#    and the benchmark's torch backend when `bench` has one.
+: > "$OUT/demo.txt"
+if [ -f .carry/demo/glimmer.json ]; then
+  # Without a shipped (trained) drafter, a random assistant of the right shape exercises the speculative runs.
+  DRAFT=()
+  if ! [ -d .carry/demo/drafter ]; then
+    $PY - "$WORK/demo_drafter" >> "$LOG" 2>&1 <<'EOF'
+import sys, torch
+from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+torch.manual_seed(0)
+cfg = MuseGlimmerAssistantConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, sliding_window=2048, block_size=8, mask_token_id=0,
+    target_layer_ids=[1, 10, 18, 27], bos_token_id=1, eos_token_id=2, pad_token_id=2)
+MuseGlimmerAssistantModel(cfg).float().save_pretrained(sys.argv[1])
+EOF
+    DRAFT=(--drafter "$WORK/demo_drafter")
+  fi
+  step demo-parity 240 "$OUT/demo.txt" $GLIMMER parity .carry/demo "${DRAFT[@]}" --device "$DEVICE" \
+    --torch-dtype float32 --num-prompts 2 --max-tokens $((NT / 2)) --json "$OUT/demo_parity.json"
+  if $GLIMMER bench --help 2>/dev/null | grep -q -- "--backend"; then
+    step demo-bench 180 "$OUT/demo.txt" $GLIMMER bench .carry/demo --backend torch --device "$DEVICE"
+  else
+    echo "demo-bench: this mlx-glimmer's bench has no --backend flag" | tee -a "$SUMMARY"
+  fi
+else
+  echo "demo: not carried (bash benchmarks/device_check.sh --prepare --with-demo)" | tee -a "$SUMMARY"
+fi
+
+rm -rf "$WORK"
+grep -q -E "FAIL|TIMEOUT" "$SUMMARY" && exit 1
+exit 0
