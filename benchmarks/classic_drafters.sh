@@ -9,7 +9,7 @@ TOKENS=${TOKENS:-96}
 export LD_PRELOAD=${LD_PRELOAD:-/usr/lib/x86_64-linux-gnu/libopenblas.so.0}
 GGUF=$(ls "${MLX_GLIMMER_CACHE:-$HOME/.cache/mlx-glimmer}"/SmolLM2-135M-Instruct.Q4_1.gguf)
 WORK=$(mktemp -d)
-mlx-glimmer convert --target "$GGUF" --out "$WORK/q4" --bits 4 --quiet
+mlx-glimmer convert --target "$GGUF" --out "$WORK/q4" --bits 4 --dtype float32 --quiet  # float32 scales: MLX CPU quantized matmul is ~40x slower with float16
 python benchmarks/make_pruned_drafter.py "$BUNDLE/target" "$WORK/pruned8" --layers 8
 mkdir -p benchmarks/results
 mlx-glimmer bench "$BUNDLE" --num-prompts "$N" --max-tokens "$TOKENS" --json-out benchmarks/results/bench_dflash.json

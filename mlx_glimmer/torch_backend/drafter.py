@@ -53,7 +53,7 @@ class TorchDFlashDrafter:
     def rollback(self, n: int) -> bool:
         """Only not-yet-projected positions can be forgotten (the torch loop never needs more)."""
         if n > self._pending_len:
-            return n == 0
+            return False
         if n:
             feats = torch.cat(self._pending)[: self._pending_len - n]
             self._pending = [feats] if feats.shape[0] else []

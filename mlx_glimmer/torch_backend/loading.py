@@ -25,7 +25,7 @@ import torch
 
 from ..drafter import DFlashModel, DrafterConfig, read_drafter_config
 from ..errors import GlimmerError
-from ..loading import _check_model_dir, _check_safetensors, read_bundle_manifest, validate_pair
+from ..loading import _check_model_dir, _check_safetensors, drafter_kind, read_bundle_manifest, validate_pair
 from . import weights as W
 from .device import pick_device, pick_dtype
 from .drafter import TorchDFlashDrafter
@@ -132,6 +132,7 @@ def assistant_config(cfg: DrafterConfig):
     from transformers import MuseGlimmerAssistantConfig
 
     d = {k: v for k, v in cfg.to_dict().items() if k not in ("architectures", "model_type", "draft_vocab_size")}
+    d.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no vocabulary of its own
     if d.get("sliding_window") is None:
         d.pop("sliding_window", None)
     elif cfg.context_reach is not None:
@@ -145,6 +146,8 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
 
     path = Path(path)
     _check_model_dir(path, "drafter")
+    if drafter_kind(path) != "dflash":
+        raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is a causal LM)")
     cfg = read_drafter_config(path)
     validate_pair(target, cfg, path)
     for f in path.glob("model*.safetensors"):

@@ -1,0 +1,112 @@
+"""CLI pieces of the torch backend: `--backend/--device/--torch-dtype` and the `parity` subcommand.
+
+Nothing here imports torch at module level: `mlx-glimmer` starts as fast as
+before and works without torch until a torch command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import GlimmerError
+
+
+def add_backend_flags(p) -> None:
+    p.add_argument("--backend", choices=("mlx", "torch"), default="mlx",
+                   help="mlx (default) or torch (transformers' model classes on CUDA, MPS or CPU)")
+    add_torch_flags(p)
+
+
+def add_torch_flags(p) -> None:
+    p.add_argument("--device", default="auto", help="torch device: auto (cuda, then mps, then cpu), cuda, mps, cpu")
+    p.add_argument("--torch-dtype", default="auto",
+                   help="torch compute dtype: auto (what MLX computes the bundle in), float32, bfloat16, float16")
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise GlimmerError(f"the torch backend needs torch and transformers ({e.name} is not installed)") from None
+
+
+def open_torch_pair(bundle: str | None, drafter: str | None = None, *, use_drafter: bool = True,
+                    device: str = "auto", dtype: str = "auto"):
+    _require_torch()
+    from .loading import load_torch
+
+    if bundle is None:
+        from ..demo import demo_bundle
+
+        bundle = demo_bundle()
+    return load_torch(bundle, drafter=drafter, use_drafter=use_drafter, device=device, dtype=dtype)
+
+
+def open_backend(args):
+    """(pair, stream_generate) for `generate`, on the backend its flags ask for."""
+    if getattr(args, "backend", "mlx") == "torch":
+        if getattr(args, "prompt_lookup", False) or getattr(args, "draft_k", None) is not None:
+            raise GlimmerError("--backend torch drafts with DFlash drafters only (no --prompt-lookup / --draft-k)")
+        pair = open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
+                               dtype=args.torch_dtype)
+        from .generate import stream_generate
+
+        return pair, stream_generate
+    from ..cli import open_pair
+    from ..generate import stream_generate
+
+    pair = open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,
+                     draft_k=getattr(args, "draft_k", None), prompt_lookup=getattr(args, "prompt_lookup", False))
+    return pair, stream_generate
+
+
+def add_parity_parser(sub) -> None:
+    from ..cli import positive_int
+
+    p = sub.add_parser(
+        "parity",
+        help="check that MLX and torch decode a pair to the same tokens",
+        description=(
+            "Greedy decoding four ways (plain and speculative, on MLX and on torch with the same weights) over a "
+            "prompt set. Reports, for every pair of runs, identical or the first diverging position with both "
+            "tokens and each backend's logit margins there. Exit 0 only when every divergence is a floating-point "
+            "tie (within the tolerance documented in mlx_glimmer/torch_backend/parity.py)."
+        ),
+    )
+    p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
+    p.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file ({'prompt': ...} or {'messages': [...]} per line) or plain text, one prompt a "
+                        "line (default: mlx-glimmer's held-out prompts)")
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="use the first N prompts (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per run (default 128)")
+    p.add_argument("--block-size", type=positive_int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, without the chat template")
+    add_torch_flags(p)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the whole report (token ids too) as JSON")
+
+
+def cmd_parity(args) -> int:
+    _require_torch()
+    from ..cli import open_pair
+    from .parity import format_report, read_prompts, run_parity
+
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    if args.bundle is None:
+        from ..demo import demo_bundle
+
+        args.bundle = str(demo_bundle())
+    mlx_pair = open_pair(args.bundle, args.drafter)
+    torch_pair = open_torch_pair(args.bundle, args.drafter, device=args.device, dtype=args.torch_dtype)
+    report = run_parity(
+        mlx_pair, torch_pair, prompts, max_tokens=args.max_tokens, block_size=args.block_size,
+        chat=not args.no_chat, source=str(args.bundle),
+        log=lambda line: print(line.splitlines()[0], file=sys.stderr, flush=True),
+    )
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return 0 if report.passed else 1

@@ -1,0 +1,326 @@
+"""`mlx-glimmer parity`: do MLX and torch decode the same pair to the same tokens?
+
+Four greedy runs per prompt: plain and speculative on MLX, plain and
+speculative on torch (same weights: torch gets MLX's dequantized values).
+Every pair of runs is compared; where two runs part, the report gives the
+first diverging position, both tokens, and on the common context (prompt +
+the tokens both agree on) each backend's full-forward logits: the top1 - top2
+margin and the gap between the two tokens.
+
+Tie tolerance
+-------------
+Two correct implementations of the same network do not produce bit-equal
+logits: matmul blocking, reduction order, fused kernels and (speculatively)
+verifying 16 positions at once instead of 1 change the rounding. Greedy
+decoding turns that noise into a different token only when the two best
+logits are closer than the noise. A divergence therefore counts as a
+floating-point tie when, on BOTH backends' full-forward logits at the common
+context, the two tokens are within
+
+    tol = REL_TOL[dtype] * max |logit|
+
+where dtype is the coarser of the two backends' compute dtypes. The scale is
+max|logit| because rounding errors are relative: they grow with the size of
+the numbers summed, and the logits inherit the hidden state's relative error.
+Measured on SmolLM2-135M (30 layers, the last position of a chat prompt or 91
+positions of an answer), torch CPU against MLX CPU float32, as
+max |logit difference| / max |logit|:
+
+    float32 weights, torch float32    4.8e-6   (~80 unit roundoffs u = 2^-24)
+    2-bit bundle, torch float32       4.1e-5   (MLX's quantized matmul computes
+                                               scale * sum(q x) + bias * sum(x),
+                                               torch sum((scale q + bias) x))
+    float32 weights, torch float16    6.2e-3   (~13 u, u = 2^-11)
+    float32 weights, torch bfloat16   5.2e-2   (~13 u, u = 2^-8; only 94.5% of
+                                               argmaxes agree)
+
+The gap between two tokens can move by twice that. So:
+
+- float32: 3e-4, about 4x what a quantized bundle needs and 60x the float
+  case, leaving room for a 52-layer, 6656-wide target and GPU kernels, yet far
+  below the logit gaps of real choices (O(0.1-1); 3e-4 x 30 = 9e-3).
+- float16: 2^-6 = 1.6e-2 and bfloat16: 2^-3 = 0.125, i.e. 32 unit roundoffs,
+  above twice the measured ~13 u. In half precision many divergences are ties
+  at this scale (bfloat16 logits near 20-30 are spaced 0.125 apart): parity in
+  float32 is the sharp check, bfloat16 parity only catches gross errors.
+
+A divergence whose gap exceeds the tolerance on either backend is a real
+disagreement (a bug, or weights that differ) and fails the command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GlimmerError
+
+REL_TOL = {"float32": 3e-4, "float16": 2**-6, "bfloat16": 2**-3}
+PRECISION = ("float32", "float16", "bfloat16")  # finest first
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts_heldout.jsonl"
+RUNS = ("mlx plain", "mlx spec", "torch plain", "torch spec")
+
+
+def tolerance(dtype: str, max_abs_logit: float) -> float:
+    return REL_TOL[dtype] * max_abs_logit
+
+
+def coarser(a: str, b: str) -> str:
+    return max(a, b, key=PRECISION.index)
+
+
+@dataclass
+class Divergence:
+    runs: tuple[str, str]
+    position: int  # index into the generated tokens
+    tokens: tuple[int, int]  # what each run emitted there
+    texts: tuple[str, str]
+    margin: dict[str, float]  # backend -> top1 - top2 of its logits at the common context
+    gap: dict[str, float]  # backend -> |logit(token a) - logit(token b)|
+    tolerance: dict[str, float]
+    tie: bool
+
+
+@dataclass
+class PromptResult:
+    index: int
+    prompt: str
+    prompt_tokens: int
+    tokens: dict[str, list[int]]  # run -> generated ids (a stop token included)
+    seconds: dict[str, float]
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def read_prompts(path: Path | None, limit: int) -> list[str | list[dict]]:
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise GlimmerError(f"{path}: prompts file not found")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            item = line
+        if isinstance(item, dict):
+            item = item.get("messages") or item.get("prompt")
+        if not isinstance(item, (str, list)) or not item:
+            raise GlimmerError(f"{path}:{n}: expected a text line or JSON with 'prompt' or 'messages'")
+        prompts.append(item)
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise GlimmerError(f"{path}: no prompts")
+    return prompts
+
+
+def encode(tokenizer, prompt, chat: bool) -> list[int]:
+    from ..generate import encode_prompt
+
+    if isinstance(prompt, str) and chat and getattr(tokenizer, "chat_template", None) is not None:
+        prompt = [{"role": "user", "content": prompt}]
+    return encode_prompt(tokenizer, prompt)
+
+
+def mlx_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> list[int]:
+    from ..speculative import generate_steps
+
+    drafter = pair.drafter if speculative else None
+    out = []
+    steps = generate_steps(
+        pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
+        max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
+    )
+    for step in steps:
+        out.extend(step.tokens)
+    return out
+
+
+def torch_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> list[int]:
+    from .speculative import generate_steps
+
+    drafter = pair.drafter if speculative else None
+    out = []
+    steps = generate_steps(
+        pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
+        max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
+    )
+    for step in steps:
+        out.extend(step.tokens)
+    return out
+
+
+def mlx_last_logits(pair, ids) -> np.ndarray:
+    import mlx.core as mx
+
+    target = pair.target
+    hidden, _ = target.forward(mx.array(ids, dtype=mx.uint32), target.make_cache(reserve=16), capture=False)
+    return np.array(target.head(hidden[-1:]).astype(mx.float32))[0]
+
+
+def torch_last_logits(pair, ids) -> np.ndarray:
+    return pair.target.logits(ids)[-1].cpu().numpy()
+
+
+def mlx_device() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device().type).rpartition(".")[2]
+
+
+def mlx_dtype(pair) -> str:
+    import mlx.core as mx
+
+    w = pair.target.model.model.embed_tokens
+    dt = getattr(w, "scales", w.weight).dtype
+    return {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dt, "float32")
+
+
+def explain(runs: tuple[str, str], position: int, a: int, b: int, context: list[int], backends: dict, dtypes: dict,
+            detok) -> Divergence:
+    """Both backends' logits at the common context decide whether (a, b) is a floating-point tie."""
+    margin, gap, tol = {}, {}, {}
+    dtype = coarser(*dtypes.values())
+    for name, logits_of in backends.items():
+        logits = logits_of(context)
+        top2 = np.sort(logits)[-2:]
+        margin[name] = float(top2[1] - top2[0])
+        gap[name] = float(abs(logits[a] - logits[b]))
+        tol[name] = tolerance(dtype, float(np.abs(logits).max()))
+    tie = all(gap[k] <= tol[k] for k in gap)
+    return Divergence(runs, position, (a, b), (detok([a]), detok([b])), margin, gap, tol, tie)
+
+
+def compare(result: PromptResult, prompt_ids: list[int], backends: dict, dtypes: dict, detok) -> None:
+    for x, y in combinations([r for r in RUNS if r in result.tokens], 2):
+        a, b = result.tokens[x], result.tokens[y]
+        i = first_divergence(a, b)
+        if i is None:
+            continue
+        if i >= min(len(a), len(b)):  # one run is a prefix of the other: not a numerical question
+            result.divergences.append(Divergence((x, y), i, (-1, -1), ("", ""), {}, {}, {}, False))
+            continue
+        ta, tb = a[i], b[i]
+        result.divergences.append(explain((x, y), i, ta, tb, prompt_ids + a[:i], backends, dtypes, detok))
+
+
+@dataclass
+class ParityReport:
+    source: str
+    mlx: str
+    torch: str
+    dtype: str
+    drafter: str
+    max_tokens: int
+    block_size: int | None
+    prompts: list[PromptResult]
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        return [d for p in self.prompts for d in p.divergences]
+
+    @property
+    def passed(self) -> bool:
+        return all(d.tie for d in self.divergences)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        d["rel_tolerance"] = REL_TOL[self.dtype]
+        return d
+
+
+def run_parity(mlx_pair, torch_pair, prompts, *, max_tokens: int = 128, block_size: int | None = None,
+               chat: bool = True, source: str = "", log=None) -> ParityReport:
+    from .device import describe
+
+    speculative = mlx_pair.drafter is not None and torch_pair.drafter is not None
+    dtypes = {"mlx": mlx_dtype(mlx_pair), "torch": str(torch_pair.dtype).removeprefix("torch.")}
+    backends = {"mlx": lambda ids: mlx_last_logits(mlx_pair, ids), "torch": lambda ids: torch_last_logits(torch_pair, ids)}
+    detok = mlx_pair.tokenizer.decode
+    results = []
+    for index, prompt in enumerate(prompts, 1):
+        ids = encode(mlx_pair.tokenizer, prompt, chat)
+        text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+        result = PromptResult(index, text, len(ids), {}, {})
+        for name in RUNS:
+            backend, mode = name.split()
+            if mode == "spec" and not speculative:
+                continue
+            run = mlx_tokens if backend == "mlx" else torch_tokens
+            tic = time.perf_counter()
+            result.tokens[name] = run(mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens,
+                                      block_size)
+            result.seconds[name] = time.perf_counter() - tic
+        compare(result, ids, backends, dtypes, detok)
+        results.append(result)
+        if log is not None:
+            log(format_prompt(result))
+    drafter = f"{mlx_pair.drafter.kind} (block {block_size or mlx_pair.drafter.block_size})" if speculative else "none"
+    return ParityReport(
+        source=source,
+        mlx=f"mlx {mlx_device()}, {dtypes['mlx']}",
+        torch=f"torch {describe(torch_pair.device)}, {dtypes['torch']} (weights from {torch_pair.source})",
+        dtype=coarser(*dtypes.values()),
+        drafter=drafter,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        prompts=results,
+    )
+
+
+def _short(text: str, n: int = 48) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def format_divergence(d: Divergence) -> str:
+    head = f"    {d.runs[0]} vs {d.runs[1]}: first divergence at generated token {d.position}: "
+    if not d.margin:
+        return head + "one run ended there and the other went on: DISAGREE"
+    a, b = d.tokens
+    parts = [f"{a} {d.texts[0]!r} vs {b} {d.texts[1]!r}"]
+    for k in d.margin:
+        parts.append(f"{k}: top1-top2 {d.margin[k]:.3g}, |gap| {d.gap[k]:.3g} (tol {d.tolerance[k]:.3g})")
+    return head + "; ".join(parts) + (": floating-point tie" if d.tie else ": DISAGREE")
+
+
+def format_prompt(r: PromptResult) -> str:
+    n = max((len(t) for t in r.tokens.values()), default=0)
+    head = f"prompt {r.index} {_short(r.prompt)!r} ({r.prompt_tokens} prompt tokens, {n} generated)"
+    if r.identical:
+        return f"{head}: all {len(r.tokens)} runs identical"
+    return "\n".join([f"{head}:"] + [format_divergence(d) for d in r.divergences])
+
+
+def format_report(rep: ParityReport) -> str:
+    pairs = sum(len(r.tokens) * (len(r.tokens) - 1) // 2 for r in rep.prompts)
+    ties = sum(d.tie for d in rep.divergences)
+    bad = len(rep.divergences) - ties
+    lines = [
+        f"parity: {rep.source}",
+        f"  {rep.mlx} | {rep.torch} | drafter {rep.drafter}",
+        f"  {len(rep.prompts)} prompts, greedy, {rep.max_tokens} tokens max; "
+        f"tie tolerance {REL_TOL[rep.dtype]:g} x max|logit| ({rep.dtype})",
+        *[format_prompt(r) for r in rep.prompts],
+        f"summary: {pairs} run pairs compared: {pairs - len(rep.divergences)} identical, {ties} floating-point ties, "
+        f"{bad} disagreements -> {'PASS' if rep.passed else 'FAIL'}",
+    ]
+    return "\n".join(lines)
