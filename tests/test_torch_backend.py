@@ -15,7 +15,7 @@ from mlx_glimmer.cli import JSON_FIELDS, main
 from mlx_glimmer.sampling import SamplingParams, probabilities as mlx_probabilities
 from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
-from mlx_glimmer.torch_backend.parity import Divergence, ParityReport, PromptResult, explain
+from mlx_glimmer.torch_backend.parity import ParityReport, PromptResult, explain
 from mlx_glimmer.torch_backend.sampling import accept_sampled, probabilities
 from mlx_glimmer.torch_backend.speculative import generate_steps
 from mlx_glimmer.torch_backend.weights import transformers_name
@@ -150,10 +150,13 @@ def test_parity_command_on_a_bundle_reports_and_exits_0(bundle8, capsys, tmp_pat
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("all 4 runs identical") == 2 and "-> PASS" in out
+    assert "speculative rounds: mlx " in out
     data = json.loads(report.read_text())
     assert data["passed"] and len(data["prompts"]) == 2
     runs = data["prompts"][0]["tokens"]
     assert set(runs) == {"mlx plain", "mlx spec", "torch plain", "torch spec"} and len(runs["mlx plain"]) == 24
+    rounds = data["prompts"][0]["rounds"]
+    assert rounds["mlx spec"] == rounds["torch spec"] and rounds["mlx plain"] == 23  # the drafters agree too
 
 
 def test_a_divergence_is_a_tie_only_within_the_tolerance_on_both_backends():
@@ -170,7 +173,7 @@ def test_a_divergence_is_a_tie_only_within_the_tolerance_on_both_backends():
     assert tie.tie and tie.margin["mlx"] == pytest.approx(1e-4, rel=0.1)
     assert not check(flat, wide).tie  # one backend sees a clear choice: a real disagreement
     assert check(flat, wide, dtype="bfloat16").tie  # bfloat16 rounding covers a 1-logit gap at |logit| 30
-    report = ParityReport("x", "", "", "float32", "none", 8, None, [PromptResult(1, "p", 2, {}, {}, [tie])])
+    report = ParityReport("x", "", "", "float32", "none", 8, None, [PromptResult(1, "p", 2, {}, {}, divergences=[tie])])
     assert report.passed
     report.prompts[0].divergences.append(check(flat, wide))
     assert not report.passed

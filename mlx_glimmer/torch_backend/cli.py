@@ -1,7 +1,7 @@
 """CLI pieces of the torch backend: `--backend/--device/--torch-dtype` and the `parity` subcommand.
 
-Nothing here imports torch at module level: `mlx-glimmer` starts as fast as
-before and works without torch until a torch command runs.
+Nothing here imports torch or transformers at module level: the CLI still
+works where they are not installed, and a torch command then says so.
 """
 
 from __future__ import annotations

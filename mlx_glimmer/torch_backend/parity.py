@@ -93,6 +93,7 @@ class PromptResult:
     prompt_tokens: int
     tokens: dict[str, list[int]]  # run -> generated ids (a stop token included)
     seconds: dict[str, float]
+    rounds: dict[str, int] = field(default_factory=dict)  # run -> target forwards after prefill
     divergences: list[Divergence] = field(default_factory=list)
 
     @property
@@ -139,7 +140,8 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def mlx_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> list[int]:
+def mlx_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
+    """Greedy tokens (a stop token included) and the number of target forwards after prefill."""
     from ..speculative import generate_steps
 
     drafter = pair.drafter if speculative else None
@@ -148,12 +150,14 @@ def mlx_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | 
         pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
         max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
     )
+    rounds = -1
     for step in steps:
         out.extend(step.tokens)
-    return out
+        rounds += 1
+    return out, rounds
 
 
-def torch_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> list[int]:
+def torch_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
     from .speculative import generate_steps
 
     drafter = pair.drafter if speculative else None
@@ -162,9 +166,11 @@ def torch_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int 
         pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
         max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
     )
+    rounds = -1
     for step in steps:
         out.extend(step.tokens)
-    return out
+        rounds += 1
+    return out, rounds
 
 
 def mlx_last_logits(pair, ids) -> np.ndarray:
@@ -266,8 +272,9 @@ def run_parity(mlx_pair, torch_pair, prompts, *, max_tokens: int = 128, block_si
                 continue
             run = mlx_tokens if backend == "mlx" else torch_tokens
             tic = time.perf_counter()
-            result.tokens[name] = run(mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens,
-                                      block_size)
+            result.tokens[name], result.rounds[name] = run(
+                mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens, block_size
+            )
             result.seconds[name] = time.perf_counter() - tic
         compare(result, ids, backends, dtypes, detok)
         results.append(result)
@@ -304,7 +311,9 @@ def format_divergence(d: Divergence) -> str:
 
 def format_prompt(r: PromptResult) -> str:
     n = max((len(t) for t in r.tokens.values()), default=0)
-    head = f"prompt {r.index} {_short(r.prompt)!r} ({r.prompt_tokens} prompt tokens, {n} generated)"
+    spec = [f"{k.split()[0]} {r.rounds[k]}" for k in ("mlx spec", "torch spec") if k in r.rounds]
+    rounds = f"; speculative rounds: {', '.join(spec)}" if spec else ""
+    head = f"prompt {r.index} {_short(r.prompt)!r} ({r.prompt_tokens} prompt tokens, {n} generated{rounds})"
     if r.identical:
         return f"{head}: all {len(r.tokens)} runs identical"
     return "\n".join([f"{head}:"] + [format_divergence(d) for d in r.divergences])
