@@ -110,6 +110,30 @@ def stream_generate(
     keep its KV cache and drafter context: each turn then prefills only the
     tokens its prompt adds to what is already cached.
     """
+    tokens, params, drafter, block_size, stats = prepare_request(
+        pair, prompt, temperature, top_p, top_k, block_size, speculative, chat_template_kwargs
+    )
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    steps = generate_steps(
+        pair.target,
+        tokens,
+        drafter=drafter,
+        params=params,
+        block_size=block_size,
+        max_tokens=max_tokens,
+        stop_ids=pair.tokenizer.eos_token_ids,
+        seed=seed,
+        state=state,
+    )
+    yield from chunks_from_steps(pair.tokenizer, steps, stats, max_tokens, start, lambda: mx.get_peak_memory() / 1e9)
+
+
+def prepare_request(pair, prompt, temperature, top_p, top_k, block_size, speculative, chat_template_kwargs):
+    """Validate one request: (prompt ids, sampling params, drafter or None, block size, fresh stats).
+
+    Shared by the MLX and torch backends, so both accept and refuse the same things.
+    """
     try:
         params = SamplingParams(temperature, top_p, top_k)
     except ValueError as e:
@@ -128,22 +152,14 @@ def stream_generate(
         drafter_kind=drafter.kind if drafter is not None else "none",
         block_size=block_size if drafter is not None else 1,
     )
-    detok = pair.tokenizer.detokenizer
+    return tokens, params, drafter, block_size, stats
+
+
+def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
+    """Turn the loop's `Step`s into text chunks with running stats (any backend's loop)."""
+    detok = tokenizer.detokenizer
     detok.reset()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
     first_at = last_at = start
-    steps = generate_steps(
-        pair.target,
-        tokens,
-        drafter=drafter,
-        params=params,
-        block_size=block_size,
-        max_tokens=max_tokens,
-        stop_ids=pair.tokenizer.eos_token_ids,
-        seed=seed,
-        state=state,
-    )
     for index, step in enumerate(steps):
         now = time.perf_counter()
         new = step.tokens[:-1] if step.stopped else step.tokens
@@ -161,7 +177,7 @@ def stream_generate(
         stats.generated_tokens += len(new)
         if stats.generated_tokens > 1 and last_at > first_at:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / (last_at - first_at)
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        stats.peak_memory_gb = peak_memory_gb()
         if step.stopped:
             stats.finish_reason = "stop"
         elif stats.generated_tokens >= max_tokens:
@@ -176,11 +192,15 @@ def stream_generate(
         stats.finish_reason = "length"
 
 
-def generate(pair: Pair, prompt: Prompt, **kwargs) -> GenerationResult:
-    """Generate a whole answer; keywords as `stream_generate`."""
+def collect(chunks) -> GenerationResult:
     text, ids, stats = [], [], GenerationStats()
-    for chunk in stream_generate(pair, prompt, **kwargs):
+    for chunk in chunks:
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
         stats = chunk.stats
     return GenerationResult("".join(text), ids, stats)
+
+
+def generate(pair: Pair, prompt: Prompt, **kwargs) -> GenerationResult:
+    """Generate a whole answer; keywords as `stream_generate`."""
+    return collect(stream_generate(pair, prompt, **kwargs))
