@@ -9,7 +9,9 @@ OUT/log.json                data size, settings, evaluation history, the command
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +19,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import GlimmerError
-from .data import DATA_DIR, chat_prompt_ids, generate_responses, load_prompts, read_records
+from .data import (
+    DATA_DIR, Answerer, MLXAnswerer, TorchAnswerer, chat_prompt_ids, generate_responses, load_prompts, read_records,
+    self_instructions,
+)
+from .prompts import FOLLOW_UPS, build_prompt_set
 from .evaluate import heldout_acceptance
 from .train import Trainer, TrainConfig
 
@@ -34,7 +40,17 @@ def add_distill_parser(sub) -> None:
     )
     p.add_argument("target", nargs="?", help="bundle or model directory (default: the embedded demo pair's target)")
     p.add_argument("--out", required=True, help="run directory (data, checkpoints, exported drafter)")
-    p.add_argument("--prompts", default=str(DATA_DIR / "prompts_train.jsonl"), help="training prompts (JSONL with 'prompt')")
+    p.add_argument(
+        "--prompts", default=str(DATA_DIR / "prompts_train.jsonl"),
+        help="training prompts (JSONL with 'prompt'), or 'synth': the shipped prompts plus templated families plus "
+        "--self-instruct target-written ones, minus anything overlapping the held-out set",
+    )
+    p.add_argument("--self-instruct", type=int, default=0, help="with --prompts synth: N instructions written by the target itself")
+    p.add_argument("--follow-ups", type=int, default=0, help="N second-turn conversations built on greedy answers (default 0)")
+    p.add_argument("--generator", choices=["auto", "mlx", "torch"], default="auto",
+                   help="batched answer generator: mlx-lm batch_generate or transformers generate (auto: torch on Linux "
+                        "when installed, mlx elsewhere)")
+    p.add_argument("--gen-threads", type=int, default=None, help="CPU threads for the torch generator (default: all)")
     p.add_argument("--heldout", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="held-out prompts for selection")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--temperatures", default="0", help="comma-separated answer temperatures; one pass each (default 0)")
@@ -53,6 +69,52 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
 
 
+def make_answerer(kind: str, pair, threads: int | None) -> Answerer:
+    if kind == "auto":
+        kind = "torch" if sys.platform == "linux" and importlib.util.find_spec("torch") else "mlx"
+    if kind == "mlx":
+        return MLXAnswerer(pair.target.model, pair.tokenizer)
+    if importlib.util.find_spec("torch") is None:
+        raise GlimmerError("--generator torch: torch is not installed (pip install torch)")
+    return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads)
+
+
+def training_prompts(args, answer: Answerer, tokenizer, heldout: list[str], data_dir: Path) -> list[str]:
+    """The prompt list, frozen to `data_dir/prompts.jsonl` on first use so a resumed run sees the same indices."""
+    frozen = data_dir / "prompts.jsonl"
+    if frozen.is_file():
+        return load_prompts(frozen)
+    if args.prompts != "synth":
+        return load_prompts(Path(args.prompts))
+    own = []
+    if args.self_instruct:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False)
+        prefix = tokenizer.encode(text[: text.index("@@")], add_special_tokens=False)
+        own = self_instructions(answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed)
+    base = [json.loads(line) for line in (DATA_DIR / "prompts_train.jsonl").read_text().splitlines() if line.strip()]
+    items = build_prompt_set(base, heldout, seed=args.seed, self_instruct=own)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = frozen.with_suffix(".partial")
+    tmp.write_text("".join(json.dumps(it) + "\n" for it in items))
+    tmp.rename(frozen)
+    print(f"[data] {len(items)} training prompts ({len(own)} self-written requested) -> {frozen}", file=sys.stderr)
+    return [it["prompt"] for it in items]
+
+
+def follow_up_conversations(first: list[dict], prompts: list[str], tokenizer, count: int, seed: int) -> list[list[dict]]:
+    """Second turns: [user, the target's own answer, a follow-up request], for `count` answered first turns."""
+    rng = random.Random(seed)
+    picked = sorted(first, key=lambda r: r["index"])[:count]
+    return [
+        [
+            {"role": "user", "content": prompts[r["index"]]},
+            {"role": "assistant", "content": tokenizer.decode([t for t in r["response_ids"] if t not in tokenizer.eos_token_ids])},
+            {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+        ]
+        for r in picked
+    ]
+
+
 def pick_mask_token(tokenizer) -> int:
     """An id the target never emits in chat: prefer a rarely used special token."""
     vocab = tokenizer.vocab
@@ -67,23 +129,33 @@ def cmd_distill(args, open_pair) -> int:
     out.mkdir(parents=True, exist_ok=True)
     pair = open_pair(args.target, None, use_drafter=False)
     target, tok = pair.target, pair.tokenizer
-    for name in (args.prompts, args.heldout):
+    for name in ([args.prompts] if args.prompts != "synth" else []) + [args.heldout]:
         if not Path(name).is_file():
             raise GlimmerError(f"{name}: prompt file not found")
-    train_prompts = load_prompts(Path(args.prompts))[: args.max_prompts]
     heldout = load_prompts(Path(args.heldout))
     try:
         temps = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         raise GlimmerError(f"--temperatures: {args.temperatures!r} is not a comma-separated list of numbers") from None
 
+    answer = make_answerer(args.generator, pair, args.gen_threads)
+    train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
     data = out / "data" / "responses.jsonl"
+    tags = []
     for i, t in enumerate(temps):
+        tags.append("greedy" if t == 0 else f"t{t}")
         generate_responses(
-            target.model, tok, train_prompts, data, batch_size=args.batch_size, max_tokens=args.answer_tokens,
-            temperature=t, seed=args.seed + 1000 * i, tag="greedy" if t == 0 else f"t{t}",
+            answer, tok, train_prompts, data, batch_size=args.batch_size, max_tokens=args.answer_tokens,
+            temperature=t, seed=args.seed + 1000 * i, tag=tags[-1],
         )
-    records = [r for r in read_records(data) if r["tag"] in {("greedy" if t == 0 else f"t{t}") for t in temps}]
+    if args.follow_ups:
+        first = [r for r in read_records(data) if r["tag"] == tags[0]]
+        generate_responses(
+            answer, tok, follow_up_conversations(first, train_prompts, tok, args.follow_ups, args.seed), data,
+            batch_size=args.batch_size, max_tokens=args.answer_tokens, temperature=temps[0], seed=args.seed + 999, tag="followup",
+        )
+        tags.append("followup")
+    records = [r for r in read_records(data) if r["tag"] in set(tags)]
     n_tokens = sum(len(r["response_ids"]) for r in records)
     print(f"[data] {len(records)} answers, {n_tokens} target tokens", file=sys.stderr)
     if args.data_only:
