@@ -20,13 +20,12 @@ from ..loading import BUNDLE_FORMAT
 from .drafter_plan import plan_drafter
 from .gguf import plan_gguf
 from .plan import ModelPlan
-from .quantize import FLOAT_DTYPES
+from .quantize import FLOAT_DTYPES, GROUP_SIZES
 from .safetensors_stream import write_model_shards
 from .sources import Source, resolve
 from .target_plan import plan_target, target_shape_probe
 
 BITS = (2, 3, 4, 5, 6, 8, 16)
-GROUP_SIZES = (32, 64, 128)
 DEFAULT_MAX_SHARD = "5GB"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -179,9 +178,10 @@ def convert(
             "sources": {p.name: p.source.spec for p in plans},
             "bits": bits,
             "drafter_bits": drafter_bits if drafter is not None else None,
-        "embed_bits": embed_bits if embed_bits is not None else bits,
+            "embed_bits": embed_bits if embed_bits is not None else bits,
             "group_size": group_size,
             "dtype": dtype,
+            "applied": {r.name: {"quantized": r.bits, "float_tensors": r.tensors - r.quantized} for r in reports},
             "tool_version": __version__,
             "files": files,
         }

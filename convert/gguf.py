@@ -2,10 +2,11 @@
 
 Q4_0 / Q4_1 / Q8_0 tensors are repacked, bit for bit, into MLX affine
 triplets with group size 32 (the GGUF block): Q4_0 is d * (q - 8), Q4_1 is
-d * q + m, Q8_0 is d * q over signed bytes, i.e. d * (q + 128) - 128 d. They
-keep their own bits; config.json records them per layer. Any other type is
-dequantized with the `gguf` package and quantized at --bits / --group-size
-(or kept float with --bits 16, which also dequantizes the kept types).
+d * q + m, Q8_0 is d * q over signed bytes, i.e. d * (q + 128) - 128 d. A
+tensor keeps its GGUF packing when its bits are the bits asked for it (--bits,
+or --embed-bits for the embedding/head); config.json records its group size
+32 per layer. Every other tensor is dequantized and quantized at the asked
+bits and --group-size (or kept float at --bits 16): --bits is never ignored.
 llama.cpp stores q_proj / k_proj rows in a rotary-interleaved order; the
 inverse row permutation is applied while reading, which for a packed triplet
 is a row gather and loses nothing. The tokenizer and chat template come from
@@ -255,14 +256,45 @@ def llama_config(reader, path: Path, names: set[str]) -> dict:
     return config
 
 
-def load_gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+# llama.cpp's special-token ids -> the tokenizer_config names transformers gives them
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def gguf_tokenizer_fields(reader) -> tuple[str, dict, dict]:
+    """(architecture, tokenizer_dict, tokenizer_config) as transformers' `get_gguf_tokenizer` builds them, read with `gguf`.
+
+    transformers' own GGUF reader imports torch; this reads the same metadata with
+    the `gguf` package, so the bare install (no torch) can rebuild the tokenizer.
+    """
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+    grouped = {
+        group: {name: v for key, name in renames.items() if (v := _meta(reader, f"tokenizer.{key}")) is not None}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp adds BOS to a sentencepiece vocabulary unless told
+    for name, key in SPECIAL_TOKENS.items():
+        token_id = _meta(reader, f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return _meta(reader, "general.architecture"), tokenizer, config
+
+
+def load_gguf_tokenizer(path: Path, reader=None):
+    """The GGUF's tokenizer and chat template as a `PreTrainedTokenizerFast`, without torch."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        architecture, tokenizer_dict, config = gguf_tokenizer_fields(reader or _open(path))
+        if "tokens" not in tokenizer_dict:
+            raise GlimmerError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
     except (ValueError, KeyError, NotImplementedError, OSError) as e:
         raise GlimmerError(f"{path}: cannot rebuild the tokenizer from the GGUF metadata ({e})") from None
     finally:
@@ -298,7 +330,8 @@ def plan_gguf(
     requant = weight_specs(model, tensors, bits, group_size, embed_bits)
     items, quantized = [], {}
     for name, t in tensors.items():
-        if bits < 16 and t.type_name in PACKED_TYPES:
+        wanted = requant[name].bits if name in requant else 16
+        if t.type_name in PACKED_TYPES and PACKED_TYPES[t.type_name][0] == wanted:  # same bits: repack bit for bit
             item = PackedItem(name, t, dtype)
             quantized[name] = item.quant
         else:
@@ -306,7 +339,7 @@ def plan_gguf(
             if item.quant is not None:
                 quantized[name] = item.quant
         items.append(item)
-    tokenizer = load_gguf_tokenizer(path)
+    tokenizer = load_gguf_tokenizer(path, reader)
     return ModelPlan(
         name="target",
         source=source,

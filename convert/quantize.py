@@ -1,9 +1,12 @@
 """MLX affine quantization of one weight at a time, and the config block mlx-lm reads.
 
 Which weights get quantized follows `mlx_lm.utils.quantize_model`: the
-`.weight` of every module with `to_quantized` (Linear, Embedding, ...) whose
-input size divides by the group size, subject to the model's own
-`quant_predicate`. Everything else (norms, 1-D tensors) stays float.
+`.weight` of every module with `to_quantized` (Linear, Embedding, ...),
+subject to the model's own `quant_predicate`. Everything else (norms, 1-D
+tensors) stays float. Where mlx-lm silently leaves a weight float because the
+group size does not divide its input width, we never do: such a weight takes
+the largest supported group size that divides its width (recorded per weight
+in config.json), and a width no supported group size divides is an error.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..errors import GlimmerError
 from .safetensors_stream import CHUNK_BYTES, MX_CODES, num_rows
 
 EMBED_AND_HEAD = ("embed_tokens.weight", "lm_head.weight")
+GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization supports
 FLOAT_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -95,18 +100,30 @@ def quantizable_weights(model: nn.Module, names, spec: QuantSpec) -> dict[str, Q
         module = modules.get(path)
         if module is None or not hasattr(module, "to_quantized"):
             continue
-        if module.weight.shape[-1] % spec.group_size:
-            continue
         choice = predicate(path, module) if predicate is not None else True
         if not choice:
             continue
         if isinstance(choice, dict):
             if choice.get("mode", "affine") != "affine":
                 continue
-            out[name] = QuantSpec(choice.get("bits", spec.bits), choice.get("group_size", spec.group_size))
+            wanted = QuantSpec(choice.get("bits", spec.bits), choice.get("group_size", spec.group_size))
         else:
-            out[name] = spec
+            wanted = spec
+        out[name] = fit_group_size(name, module.weight.shape[-1], wanted)
     return out
+
+
+def fit_group_size(name: str, width: int, spec: QuantSpec) -> QuantSpec:
+    """`spec`, or the same bits with the largest supported group size dividing `width`."""
+    if width % spec.group_size == 0 or spec.bits >= 16:
+        return spec
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if width % g == 0:
+            return QuantSpec(spec.bits, g)
+    raise GlimmerError(
+        f"{name}: input width {width} is not divisible by group size {spec.group_size} or any supported group size "
+        f"({', '.join(map(str, GROUP_SIZES))}); convert with --bits 16 to keep it float"
+    )
 
 
 def weight_specs(model: nn.Module, names, bits: int, group_size: int, embed_bits: int | None) -> dict[str, QuantSpec]:
@@ -114,7 +131,7 @@ def weight_specs(model: nn.Module, names, bits: int, group_size: int, embed_bits
     output head; 16 bits means float (left out)."""
     specs = quantizable_weights(model, names, QuantSpec(bits, group_size))
     if embed_bits is not None:
-        specs.update({k: QuantSpec(embed_bits, group_size) for k in specs if k.endswith(EMBED_AND_HEAD)})
+        specs.update({k: QuantSpec(embed_bits, s.group_size) for k, s in specs.items() if k.endswith(EMBED_AND_HEAD)})
     return {k: s for k, s in specs.items() if s.bits < 16}
 
 

@@ -493,7 +493,8 @@ def test_gguf_smollm2_matches_transformers_on_real_text(tmp_path, capsys):
     gguf_path = find_or_fetch_smollm2_gguf(REPO_CACHE)
     assert gguf_path.name == SMOLLM2_GGUF
     out = tmp_path / "smollm2"
-    assert main(["convert", "--target", str(gguf_path), "--out", str(out), "--quiet"]) == 0
+    # --embed-bits 8 asks for the file's own Q8_0 embedding, so it is kept bit for bit like the Q4_1 blocks
+    assert main(["convert", "--target", str(gguf_path), "--out", str(out), "--embed-bits", "8", "--quiet"]) == 0
 
     config = json.loads((out / "target" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
@@ -527,3 +528,48 @@ def test_gguf_smollm2_matches_transformers_on_real_text(tmp_path, capsys):
     assert rendered == bundle_tok.apply_chat_template(messages, chat_template=own, tokenize=False, add_generation_prompt=True)
     assert rendered == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nWho made it?<|im_end|>" in rendered
+
+
+# --- requested precision is never ignored ------------------------------------------------------------
+
+
+def test_widths_the_group_size_does_not_divide_take_the_largest_group_that_does(tmp_path):
+    src = tc.build_muse_target(tmp_path / "muse96", hidden=96, heads=4, kv_heads=2, head_dim=24, layers=2)
+    out = tmp_path / "b"
+    assert main(["convert", "--target", str(src), "--out", str(out), "--bits", "4", "--quiet"]) == 0
+    config = json.loads((out / "target" / "config.json").read_text())
+    q = config["quantization"]
+    assert q["bits"] == 4
+    weights = weights_of(out / "target")
+    linear = [k for k in weights if k.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight"))]
+    assert linear and all(weights[k].dtype == mx.uint32 for k in linear), "every linear weight is packed 4-bit"
+    for name in linear:  # hidden 96 -> group 32; intermediate 192 -> the asked group 64
+        base = name.removesuffix(".weight")
+        width = weights[name].shape[-1] * 32 // 4
+        group = width // weights[f"{base}.scales"].shape[-1]
+        assert group == max(g for g in (128, 64, 32) if width % g == 0 and g <= 64), (name, width, group)
+    applied = json.loads((out / "glimmer.json").read_text())["applied"]["target"]["quantized"]
+    assert applied["4-bit/g32"] > 0 and applied["4-bit/g64"] > 0
+
+
+def test_a_width_no_group_size_divides_is_one_error_line(tmp_path, capsys):
+    src = tc.build_muse_target(tmp_path / "muse40", hidden=40, heads=2, kv_heads=1, head_dim=20, layers=2)
+    out = tmp_path / "b"
+    assert main(["convert", "--target", str(src), "--out", str(out), "--bits", "4"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "width 40", "group size 64")
+    assert leftovers(out) == []
+
+
+@pytest.mark.network
+def test_gguf_source_honours_bits(tmp_path):
+    gguf_path = find_or_fetch_smollm2_gguf(REPO_CACHE)
+    out = tmp_path / "q8"
+    assert main(["convert", "--target", str(gguf_path), "--out", str(out), "--bits", "8", "--quiet"]) == 0
+    config = json.loads((out / "target" / "config.json").read_text())
+    q = config["quantization"]
+    assert q["bits"] == 8 and q["group_size"] == 64
+    assert not any(isinstance(v, dict) and v["bits"] != 8 for v in q.values()), "no tensor kept at the file's 4 bits"
+    weights = weights_of(out / "target")
+    assert weights["model.layers.5.mlp.up_proj.weight"].shape[-1] == 576 * 8 // 32
+    applied = json.loads((out / "glimmer.json").read_text())["applied"]["target"]["quantized"]
+    assert applied["8-bit/g64"] > 0 and all(k.startswith("8-bit/") for k in applied)  # the Q8_0 embedding keeps its g32

@@ -1,0 +1,159 @@
+"""Fast CPU matrix products on Linux without the user's help.
+
+MLX's Linux CPU wheel (`mlx[cpu]`) carries a reference BLAS: float32 matmuls
+run ~6 GFLOP/s there against ~100-200 with OpenBLAS, and only a preload
+reaches MLX (the wheel links its own `libblas`, so the system's BLAS
+alternatives do not). So the `mlx-glimmer` command re-executes itself once
+with an OpenBLAS in `LD_PRELOAD`, picked in this order:
+
+1. the system's `libopenblas.so.0` (for example Debian's `libopenblas0-pthread`);
+2. the `cmeel-openblas` wheel, a dependency of this package on Linux
+   (standard symbol names). It needs `libgfortran.so.5`: the system's, or else
+   numpy's bundled copy, exposed under its standard name through a folder of
+   links in the cache.
+
+The child checks that `cblas_sgemm` really resolves into the chosen library;
+when no fast BLAS can be had it says so once, in one line, with the fix.
+BLAS choice never changes results beyond float rounding of the matmuls.
+macOS is untouched (Metal). `MLX_GLIMMER_BLAS=reference` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "MLX_GLIMMER_BLAS"  # set by the re-exec to the preloaded path; "reference" disables the switch
+SYSTEM_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+FIX = "apt-get install libopenblas0-pthread (or pip install cmeel-openblas); MLX_GLIMMER_BLAS=reference silences this"
+_warned = False
+
+
+@dataclass(frozen=True)
+class BlasChoice:
+    library: str  # path to preload
+    library_path: str | None = None  # a folder to put on LD_LIBRARY_PATH (links to its dependencies)
+
+
+def _loadable(name: str) -> bool:
+    try:
+        ctypes.CDLL(name)
+        return True
+    except OSError:
+        return False
+
+
+def _site_dirs() -> list[Path]:
+    return [Path(p) for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]) if p]
+
+
+def gfortran_links(cache: Path) -> str | None:
+    """A folder holding `libgfortran.so.5`/`libquadmath.so.0` links to numpy's bundled copies, or None."""
+    for site in _site_dirs():
+        found = {
+            "libgfortran.so.5": glob.glob(str(site / "numpy.libs" / "libgfortran-*.so.5*")),
+            "libquadmath.so.0": glob.glob(str(site / "numpy.libs" / "libquadmath-*.so.0*")),
+        }
+        if found["libgfortran.so.5"]:
+            cache.mkdir(parents=True, exist_ok=True)
+            for name, paths in found.items():
+                if paths:
+                    link = cache / name
+                    if link.is_symlink() or link.exists():
+                        link.unlink()
+                    link.symlink_to(paths[0])
+            return str(cache)
+    return None
+
+
+def find_openblas(cache: Path) -> BlasChoice | None:
+    for path in SYSTEM_PATHS:
+        if os.path.isfile(path):
+            return BlasChoice(path)
+    found = ctypes.util.find_library("openblas")
+    if found and _loadable(found):
+        return BlasChoice(found)
+    for site in _site_dirs():
+        wheel = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+        if wheel.is_file():
+            if _loadable("libgfortran.so.5"):
+                return BlasChoice(str(wheel))
+            links = gfortran_links(cache)
+            return BlasChoice(str(wheel), links) if links else None
+    return None
+
+
+def preloaded() -> list[str]:
+    return [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+
+
+def sgemm_library() -> str | None:
+    """The file that the process-wide `cblas_sgemm` symbol lives in (what MLX's calls resolve to), or None."""
+    try:
+        address = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end and len(parts) >= 6:
+            return parts[5]
+    return None
+
+
+def is_fast(library: str | None) -> bool:
+    return library is not None and any(k in os.path.basename(library).lower() for k in ("openblas", "mkl", "blis"))
+
+
+def warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def ensure_fast_blas(cache: Path) -> None:
+    """On Linux, re-execute this command with an OpenBLAS preloaded (once), or warn that matmuls will be slow.
+
+    Call it first thing in a command-line entry point: it may not return.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(ENV) == "reference":
+        return
+    if os.environ.get(ENV) or any(is_fast(p) for p in preloaded()):
+        check_fast_blas()
+        return
+    choice = find_openblas(cache)
+    if choice is None:
+        warn_once(f"no optimized BLAS found: MLX runs on its slow reference BLAS (~10x slower on CPU). Fix: {FIX}")
+        return
+    env = dict(os.environ)
+    env[ENV] = choice.library
+    env["LD_PRELOAD"] = " ".join([choice.library, *preloaded()])
+    if choice.library_path:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (choice.library_path, env.get("LD_LIBRARY_PATH")) if p)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+def check_fast_blas() -> None:
+    """Warn once when the running process's `cblas_sgemm` is not an optimized BLAS (Linux only)."""
+    if not sys.platform.startswith("linux") or os.environ.get(ENV) == "reference":
+        return
+    import mlx.core  # noqa: F401  (loads MLX's own libblas, so the lookup sees what MLX sees)
+
+    library = sgemm_library()
+    if not is_fast(library):
+        warn_once(f"MLX's matrix products run on a slow reference BLAS ({library or 'the one bundled with MLX'}). Fix: {FIX}")
