@@ -60,21 +60,25 @@ def _site_dirs() -> list[Path]:
 
 
 def gfortran_links(cache: Path) -> str | None:
-    """A folder holding `libgfortran.so.5`/`libquadmath.so.0` links to numpy's bundled copies, or None."""
+    """A folder of links to numpy's bundled libgfortran (and what it needs), under their own and standard names."""
     for site in _site_dirs():
-        found = {
-            "libgfortran.so.5": glob.glob(str(site / "numpy.libs" / "libgfortran-*.so.5*")),
-            "libquadmath.so.0": glob.glob(str(site / "numpy.libs" / "libquadmath-*.so.0*")),
-        }
-        if found["libgfortran.so.5"]:
-            cache.mkdir(parents=True, exist_ok=True)
-            for name, paths in found.items():
-                if paths:
-                    link = cache / name
-                    if link.is_symlink() or link.exists():
-                        link.unlink()
-                    link.symlink_to(paths[0])
-            return str(cache)
+        libs = site / "numpy.libs"
+        gfortran = sorted(glob.glob(str(libs / "libgfortran-*.so.5*")))
+        if not gfortran:
+            continue
+        cache.mkdir(parents=True, exist_ok=True)
+        quadmath = sorted(glob.glob(str(libs / "libquadmath-*.so.0*")))
+        # its RPATH is $ORIGIN, which the loader takes from the link's folder: link its neighbours too
+        names = {Path(f).name: f for f in glob.glob(str(libs / "*.so*"))}
+        names["libgfortran.so.5"] = gfortran[0]
+        if quadmath:
+            names["libquadmath.so.0"] = quadmath[0]
+        for name, target in names.items():  # replaced atomically: two commands may start at once
+            tmp = cache / f".{name}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            os.replace(tmp, cache / name)
+        return str(cache)
     return None
 
 

@@ -1,0 +1,82 @@
+"""On Linux the command line finds a fast BLAS by itself, checks that MLX really uses it, and says so when it cannot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlx_glimmer import blas
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS switch is Linux-only (macOS uses Metal)")
+
+PROBE = "import mlx.core as mx; from mlx_glimmer.blas import sgemm_library; print(sgemm_library())"
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", blas.ENV)}
+    env.update(extra)
+    return env
+
+
+def test_the_command_line_runs_on_an_optimized_blas_without_ld_preload():
+    """The package depends on cmeel-openblas on Linux, so one can always be had; `--version` reports what MLX calls."""
+    out = subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "--version"], env=clean_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "openblas" in out.stdout.lower(), out.stdout
+    assert "warning" not in out.stderr
+
+
+def test_reference_opt_out_keeps_mlx_own_blas():
+    out = subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "--version"], env=clean_env(MLX_GLIMMER_BLAS="reference"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "reference BLAS" in out.stdout, out.stdout
+
+
+def test_the_wheel_openblas_loads_with_numpys_gfortran_when_the_system_has_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(blas, "SYSTEM_PATHS", ())
+    monkeypatch.setattr(blas.ctypes.util, "find_library", lambda name: None)
+    real = blas._loadable
+    monkeypatch.setattr(blas, "_loadable", lambda name: False if "gfortran" in name else real(name))
+    choice = blas.find_openblas(tmp_path / "links")
+    assert choice is not None and choice.library.endswith("cmeel.prefix/lib/libopenblas.so.0")
+    assert choice.library_path == str(tmp_path / "links") and (tmp_path / "links" / "libgfortran.so.5").exists()
+    env = clean_env(LD_PRELOAD=choice.library, LD_LIBRARY_PATH=choice.library_path)
+    code = PROBE + "; import pathlib; print(any('numpy.libs/libgfortran' in l for l in pathlib.Path('/proc/self/maps').read_text().splitlines()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    library, numpy_gfortran = out.stdout.split()
+    assert library == choice.library or os.path.realpath(library) == os.path.realpath(choice.library), out
+    assert numpy_gfortran == "True", "libgfortran came from numpy's wheel, as the links say"
+
+
+def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys):
+    monkeypatch.delenv(blas.ENV, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setattr(blas, "find_openblas", lambda cache: None)
+    monkeypatch.setattr(blas, "_warned", False)
+    blas.ensure_fast_blas(None)
+    blas.ensure_fast_blas(None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ") and "apt-get install libopenblas0-pthread" in err[0]
+
+
+def test_the_blas_never_changes_greedy_tokens(llama_pair, checkpoints, tmp_path):
+    """Same tiny pair, plain greedy, reference BLAS versus OpenBLAS: the same token ids."""
+    code = (
+        "import json, sys; import mlx_glimmer; "
+        "pair = mlx_glimmer.load(target=sys.argv[1], drafter=sys.argv[2]); "
+        "r = mlx_glimmer.generate(pair, list(range(260, 0, -9))[:24], max_tokens=40, speculative=False); "
+        "print(json.dumps(r.token_ids))"
+    )
+    runs = {}
+    for name, env in (("reference", clean_env(MLX_GLIMMER_BLAS="reference")), ("openblas", None)):
+        if env is None:
+            choice = blas.find_openblas(tmp_path / "links")
+            env = clean_env(LD_PRELOAD=choice.library, **({"LD_LIBRARY_PATH": choice.library_path} if choice.library_path else {}))
+        out = subprocess.run([sys.executable, "-c", code, str(checkpoints["llama"]), str(checkpoints["llama_assistant"])],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["reference"] == runs["openblas"] and len(runs["openblas"]) == 40
