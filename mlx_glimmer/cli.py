@@ -121,20 +121,53 @@ def build_parser() -> Parser:
     c = sub.add_parser(
         "chat",
         help="chat in the terminal (Textual app)",
-        description="Chat in the terminal, with live speculative decoding statistics. /help inside lists the commands.",
+        description=(
+            "Chat in the terminal, with live speculative decoding statistics. /help inside lists the commands. "
+            "Conversations are saved as they go in an SQLite file in $XDG_DATA_HOME/mlx-glimmer (default "
+            "~/.local/share/mlx-glimmer; ~/Library/Application Support/mlx-glimmer on macOS)."
+        ),
+        epilog=(
+            "BUNDLE or MESSAGE: a first argument that names an existing directory, or looks like a path (one word "
+            "with a '/', or starting with '.' or '~'), is the BUNDLE; anything else is the first MESSAGE, sent as "
+            "soon as the model is loaded. With both, the BUNDLE comes first: mlx-glimmer chat ./bundle \"hello\". "
+            "--resume takes an optional value, so put a message before it, or after an explicit ID or 'last'."
+        ),
     )
-    c.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
+    c.add_argument(
+        "words", nargs="*", metavar="[BUNDLE] [MESSAGE]",
+        help="bundle or model directory (default: the embedded demo pair), then a first message to send",
+    )
+    c.add_argument(
+        "--resume", nargs="?", const="last", default=None, metavar="ID|last",
+        help="continue a saved conversation (default: the last one) with its settings; its cache is rebuilt",
+    )
+    c.add_argument("--list", action="store_true", help="list the saved conversations and exit")
+    c.add_argument("--no-history", action="store_true", help="neither read nor save conversations")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument(
         "--reasoning",
         choices=("low", "medium", "high", "xhigh"),
-        default="high",
         help="reasoning strength, for models whose chat template has one (default high)",
     )
     c.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
     add_sampling_flags(c)
-    c.set_defaults(max_tokens=1024)
+    # Defaults live in CHAT_SETTINGS, so a flag given next to --resume is told apart and overrides the stored value.
+    c.set_defaults(**{dest: None for dest in CHAT_SETTINGS})
     return parser
+
+
+# chat flag dest -> (Settings field, default)
+CHAT_SETTINGS = {
+    "max_tokens": ("max_tokens", 1024),
+    "temp": ("temperature", 0.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 0),
+    "seed": ("seed", 0),
+    "block_size": ("block_size", None),
+    "no_spec": ("speculative", True),
+    "system": ("system", None),
+    "reasoning": ("reasoning", "high"),
+}
 
 
 def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True, **kwargs):
@@ -199,30 +232,73 @@ def cmd_convert(args) -> int:
     return run(args)
 
 
+def looks_like_bundle(word: str) -> bool:
+    """`chat`'s first positional: a BUNDLE if it names a directory or looks like a path, else a message."""
+    from pathlib import Path
+
+    if Path(word).expanduser().is_dir():
+        return True
+    return not any(ch.isspace() for ch in word) and ("/" in word or word.startswith((".", "~")))
+
+
+def chat_words(words: list[str]) -> tuple[str | None, str | None]:
+    """(bundle, first message) from `chat`'s positionals."""
+    if len(words) > 2:
+        raise GlimmerError(f"chat: at most a BUNDLE and one MESSAGE; quote the message (got {len(words)} words)")
+    if len(words) == 2:
+        return words[0], words[1]
+    if words and looks_like_bundle(words[0]):
+        return words[0], None
+    return None, (words[0] if words else None)
+
+
 def cmd_chat(args) -> int:
     # Flag mistakes end here, before the app takes over the terminal.
-    if not args.temp >= 0:
-        raise GlimmerError(f"chat: --temp must be >= 0, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise GlimmerError(f"chat: --top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise GlimmerError(f"chat: --top-k must be >= 0, got {args.top_k}")
+    bundle, message = chat_words(args.words)
+    if message is not None and not message.strip():
+        raise GlimmerError("chat: the first message is empty")
+    if args.no_history and (args.list or args.resume is not None):
+        raise GlimmerError(f"chat: {'--list' if args.list else '--resume'} reads the history; drop --no-history")
+    given = {field: getattr(args, dest) for dest, (field, _) in CHAT_SETTINGS.items() if getattr(args, dest) is not None}
+    if "speculative" in given:  # --no-spec
+        given["speculative"] = False
+    values = {field: default for field, default in CHAT_SETTINGS.values()} | given
+    if not values["temperature"] >= 0:
+        raise GlimmerError(f"chat: --temp must be >= 0, got {values['temperature']}")
+    if not 0 < values["top_p"] <= 1:
+        raise GlimmerError(f"chat: --top-p must be in (0, 1], got {values['top_p']}")
+    if values["top_k"] < 0:
+        raise GlimmerError(f"chat: --top-k must be >= 0, got {values['top_k']}")
+    from .tui.store import StoreError, format_list, open_store, resolve
+
+    store, warning, resume = None, None, None
+    if not args.no_history:
+        store, warning = open_store()
+        if warning and (args.list or args.resume is not None):
+            raise GlimmerError(f"chat: {warning}")
+    if args.list:
+        try:
+            print(format_list(store.list()))
+        except StoreError as e:
+            raise GlimmerError(f"chat: {e}") from None
+        finally:
+            store.close()
+        return 0
+    if args.resume is not None:
+        try:
+            resume = resolve(store, args.resume)
+        except StoreError as e:
+            store.close()
+            hint = " (a message goes before --resume)" if " " in args.resume else ""
+            raise GlimmerError(f"chat: {e}{hint}") from None
     from .tui.app import run
     from .tui.session import Settings
 
-    settings = Settings(
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        block_size=args.block_size,
-        speculative=not args.no_spec,
-        system=args.system,
-        reasoning=args.reasoning,
-    )
+    settings = Settings(**values)
     # The drafter is loaded even with --no-spec, so `/spec on` can turn it on.
-    return run(lambda: open_pair(args.bundle, args.drafter), settings, source=args.bundle or "the demo pair")
+    # A resumed chat takes its stored settings, then the flags given here.
+    return run(lambda: open_pair(bundle, args.drafter), settings, source=bundle or "the demo pair", store=store,
+               store_warning=warning, resume=resume, first_message=message, overrides=given)
 
 
 def cmd_bench(args) -> int:

@@ -69,6 +69,12 @@ def readable_target(src: Path, dst: Path, template: str) -> Path:
     return dst
 
 
+@pytest.fixture(autouse=True)
+def private_history(tmp_path, monkeypatch):
+    """The chat command saves conversations: never into the user's own data directory."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
 @pytest.fixture(scope="module")
 def pair(checkpoints, tmp_path_factory):
     target = readable_target(checkpoints["muse"], tmp_path_factory.mktemp("tui") / "muse", tc.CHAT_TEMPLATE)
@@ -216,7 +222,7 @@ def test_cancel_keeps_the_partial_answer_and_the_next_turn_is_exact(pair, monkey
     async def scenario(app, pilot):
         await say(app, pilot, "Hello", wait=False)
         deadline = time.monotonic() + 30
-        while not (reached.is_set() and str(app.query_one(".answer-stream").content)):
+        while not (reached.is_set() and app.query(AssistantMessage).last().streamed):
             assert time.monotonic() < deadline, "no text streamed in"
             await pilot.pause(0.02)
         # Text shows while the answer is still being written.
@@ -544,9 +550,10 @@ def test_main_screen_snapshot(pair, monkeypatch):
         svg["text"] = app.export_screenshot()
 
     chat(pair, scenario, block_size=8)
-    if os.environ.get("UPDATE_SNAPSHOTS") or not SNAPSHOT.exists():
+    if os.environ.get("UPDATE_SNAPSHOTS"):  # regeneration only when asked; a missing snapshot fails
         SNAPSHOT.parent.mkdir(exist_ok=True)
         SNAPSHOT.write_text(svg["text"])
+    assert SNAPSHOT.is_file(), f"{SNAPSHOT} is missing; run with UPDATE_SNAPSHOTS=1, review the SVG and commit it"
     assert svg["text"] == SNAPSHOT.read_text(), f"the main screen changed; review and update {SNAPSHOT}"
 
 

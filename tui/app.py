@@ -1,13 +1,18 @@
 """`mlx-glimmer chat`: the Textual app.
 
-All MLX work (loading, every turn) runs on one `MLXThread`; it reports back
-with messages, so the UI thread only ever reads snapshots.
+All MLX work (loading, every turn, rebuilding a resumed chat's cache) runs on
+one `MLXThread`; it reports back with messages, so the UI thread only ever
+reads snapshots. The conversation store (`store.Store`) is written from the UI
+thread, one transaction per finished turn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 from textual import on
@@ -19,10 +24,12 @@ from textual.widgets import Footer, Header, Select, Static
 
 from mlx_glimmer import DecodeState, GenerationStats, GlimmerError
 
+from .chats import Choice, ConversationList
 from .commands import CommandError, help_text, is_command, parse_command, prompt_text
-from .session import Conversation, Settings, Turn, run_turn, supports_reasoning
+from .session import Conversation, Settings, Turn, rebuild_state, run_turn, supports_reasoning
 from .stats import prefill_line, stats_rows
-from .transcript import save_transcript
+from .store import Store, StoreError, title_for
+from .transcript import export_conversation, save_transcript
 from .widgets import AssistantMessage, Note, PromptInput, StatsPanel
 from .worker import MLXThread
 
@@ -30,7 +37,7 @@ LOAD_HINT = "Quit (ctrl+q) and start with a bundle: `mlx-glimmer chat BUNDLE`. /
 
 KEYS_HELP = (
     "keys: enter send · ctrl+j new line · ↑/↓ history · esc or ctrl+c cancel · ctrl+l clear · "
-    "f2 stats panel · ctrl+q quit\n//text sends a message that starts with /"
+    "ctrl+o conversations · f2 stats panel · ctrl+q quit\n//text sends a message that starts with /"
 )
 
 
@@ -56,10 +63,30 @@ class Progress(Message):
         self.stats = stats
 
 
+@dataclass
+class Done:
+    """A finished (or cancelled) turn, what the cache holds after it, and the settings it ran with."""
+
+    turn: Turn
+    processed: list[int]
+    settings: Settings
+
+
 class Finished(Message):
-    def __init__(self, turn: Turn):
+    def __init__(self, done: Done):
         super().__init__()
-        self.turn = turn
+        self.done = done
+        self.turn = done.turn
+
+
+class Rebuilt(Message):
+    """A resumed conversation's cache is back: `tokens` ids prefilled in `seconds` (or `error`)."""
+
+    def __init__(self, tokens: int, seconds: float, error: str | None = None):
+        super().__init__()
+        self.tokens = tokens
+        self.seconds = seconds
+        self.error = error
 
 
 def describe_error(e: BaseException) -> str:
@@ -101,15 +128,37 @@ class ChatApp(App):
         Binding("escape", "cancel", "cancel"),
         Binding("ctrl+c", "interrupt", "cancel", show=False, priority=True),
         Binding("ctrl+l", "clear", "clear"),
+        Binding("ctrl+o", "conversations", "chats"),
         Binding("f2", "toggle_stats", "stats"),
         Binding("ctrl+q", "quit", "quit", priority=True),
     ]
 
-    def __init__(self, load: Callable[[], object], settings: Settings | None = None, source: str = "the model"):
+    def __init__(
+        self,
+        load: Callable[[], object],
+        settings: Settings | None = None,
+        source: str = "the model",
+        *,
+        store: Store | None = None,
+        store_warning: str | None = None,
+        resume: int | None = None,
+        first_message: str | None = None,
+        overrides: dict | None = None,
+    ):
         super().__init__()
         self._load = load
         self.source = source
         self.conversation = Conversation(settings or Settings())
+        self.store = store  # None: no history (--no-history, or the database failed)
+        self.store_warning = store_warning
+        self.conversation_id: int | None = None  # the stored conversation; None until its first turn is saved
+        self.conversation_title: str | None = None
+        self.resume = resume
+        self.first_message = first_message
+        self.overrides = overrides or {}  # Settings fields given on the command line: they win over a resumed chat's
+        self.unsaved: Done | None = None  # a turn the UI has not stored yet (saved on exit if the app quits first)
+        self._processed: list[int] = []  # what the cache should hold for the open conversation
+        self._stored_bundle: str | None = None  # the target a resumed conversation last ran on
         self.pair = None
         self.state = DecodeState()  # touched only by jobs on the MLX thread, or while no job runs
         self.mlx = MLXThread()
@@ -131,8 +180,12 @@ class ChatApp(App):
         yield Static("", id="status", markup=False)
         yield Footer()
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.query_one(PromptInput).focus()
+        if self.store_warning:
+            self.note(self.store_warning, "error")
+        if self.resume is not None:
+            await self.open_conversation(self.resume)
         self.note(f"Loading {self.source}…", "info")
         self.set_status(f"loading {self.source}…")
         self.busy = True
@@ -151,7 +204,7 @@ class ChatApp(App):
         else:
             self.post_message(Loaded(pair))
 
-    def _turn_job(self, messages: list[dict], kwargs: dict, cancel: threading.Event) -> None:
+    def _turn_job(self, messages: list[dict], kwargs: dict, settings: Settings, cancel: threading.Event) -> None:
         try:
             turn = run_turn(
                 self.pair,
@@ -165,7 +218,20 @@ class ChatApp(App):
             self.state = DecodeState()  # the caches may be half updated
             self.post_message(Failed(describe_error(e), loading=False))
         else:
-            self.post_message(Finished(turn))
+            done = Done(turn, list(self.state.processed), settings)
+            self.unsaved = done
+            self.post_message(Finished(done))
+
+    def _rebuild_job(self, processed: list[int], speculative: bool, block_size: int | None) -> None:
+        tic = time.perf_counter()
+        try:
+            self.state = DecodeState()
+            n = rebuild_state(self.pair, processed, self.state, speculative=speculative, block_size=block_size)
+        except Exception as e:
+            self.state = DecodeState()
+            self.post_message(Rebuilt(0, 0.0, describe_error(e)))
+        else:
+            self.post_message(Rebuilt(n, time.perf_counter() - tic))
 
     # --- results ------------------------------------------------------------------
 
@@ -183,6 +249,14 @@ class ChatApp(App):
             self.settings.speculative = False
         self.note(f"Loaded {model_names(self.pair)}. Type a message; /help lists the commands.", "info")
         self.set_status()
+        if self._processed and self._stored_bundle not in (None, self.bundle_name()):
+            self.note(f"This conversation last ran on {self._stored_bundle}; the next turn prefills it whole.", "info")
+            self._processed = []
+        if self._processed:
+            self.start_rebuild()
+        elif self.first_message:
+            self.ask(self.first_message)
+            self.first_message = None
 
     def on_failed(self, message: Failed) -> None:
         self.busy = False
@@ -197,15 +271,16 @@ class ChatApp(App):
         self.note(text, "error", "error")
         self.set_status()
 
-    def on_progress(self, message: Progress) -> None:
+    async def on_progress(self, message: Progress) -> None:
         if self.current is not None:
-            self.current.stream(message.text)
+            await self.current.stream(message.text)
             self.query_one(StatsPanel).show(message.stats)
             self.scroll_log()
 
     async def on_finished(self, message: Finished) -> None:
         turn = message.turn
         self.conversation.turns.append(turn)
+        self.save_turn(message.done)
         self.last_stats = turn.stats
         self.query_one(StatsPanel).show(turn.stats)
         if self.current is not None:
@@ -227,7 +302,11 @@ class ChatApp(App):
                 self.note(str(e), "error")
             return
         if self.busy:
-            wait = "the model is still loading" if self.pair is None else "press Esc to cancel the answer first"
+            wait = (
+                "the model is still loading" if self.pair is None
+                else "the cache is being rebuilt" if self.current is None
+                else "press Esc to cancel the answer first"
+            )
             self.note(f"Still busy; {wait}.", "error")
             return
         if self.pair is None:
@@ -245,7 +324,8 @@ class ChatApp(App):
         self.busy = True
         self.cancel_event = cancel = threading.Event()
         self.set_status("generating… (esc cancels)")
-        self.mlx.submit(lambda: self._turn_job(messages, kwargs, cancel))
+        settings = dataclasses.replace(self.settings)
+        self.mlx.submit(lambda: self._turn_job(messages, kwargs, settings, cancel))
 
     async def run_command(self, line: str) -> None:
         cmd = parse_command(line)
@@ -287,6 +367,26 @@ class ChatApp(App):
             self.note(f"Saved {md} and {js}.", "info")
         elif cmd.name == "stats":
             self.note(self.stats_text(), "info")
+        elif cmd.name == "export":
+            try:
+                out = export_conversation(cmd.value, self.conversation.turns, model=self.model_name(), settings=s,
+                                          title=self.conversation_title)
+            except (OSError, ValueError) as e:
+                raise CommandError(f"/export failed: {e}") from None
+            self.note(f"Exported {len(self.conversation.turns)} turns to {out}.", "info")
+        elif cmd.name == "chats":
+            self.action_conversations()
+        elif cmd.name == "rename":
+            if self.store is None:
+                raise CommandError("no history (started with --no-history, or the database failed)")
+            if self.conversation_id is None:
+                raise CommandError("this conversation is not saved yet; send a message first")
+            title = cmd.value.strip()
+            if self.history(lambda st: st.rename(self.conversation_id, title)):
+                self.conversation_title = title
+                self.note(f"Renamed to “{title}”.", "info")
+        if cmd.name in ("system", "temp", "block", "spec", "reasoning"):
+            self.save_settings()
         self.set_status()
 
     def stats_text(self) -> str:
@@ -312,6 +412,7 @@ class ChatApp(App):
         if event.value in (None, Select.BLANK) or event.value == self.settings.reasoning:
             return
         self.settings.reasoning = str(event.value)
+        self.save_settings()
         self.set_status()
 
     # --- actions --------------------------------------------------------------------
@@ -334,12 +435,153 @@ class ChatApp(App):
         if self.busy:
             self.note("Still busy; press Esc to cancel the answer first.", "error")
             return
+        await self.start_over()
+        self.note("Conversation cleared." + (" The old one stays in the list (ctrl+o)." if self.store else ""), "info")
+
+    async def start_over(self, settings: Settings | None = None) -> None:
+        """An empty conversation (not stored until its first turn) and an empty cache."""
         self.conversation.turns.clear()
+        if settings is not None:
+            self.conversation.settings = settings
+        self.conversation_id, self.conversation_title, self._processed = None, None, []
         self.state = DecodeState()
         self.last_stats = None
         await self.query_one("#log").remove_children()
         self.query_one(StatsPanel).show(None)
-        self.note("Conversation cleared.", "info")
+
+    # --- history ------------------------------------------------------------------------
+
+    def history(self, fn) -> bool:
+        """Run `fn(store)`; on a database failure, say so in one line and go on without history."""
+        if self.store is None:
+            return False
+        try:
+            fn(self.store)
+        except StoreError as e:
+            self.history_off(str(e))
+            return False
+        return True
+
+    def history_off(self, why: str) -> None:
+        self.note(f"history off: {why}", "error")
+        if self.store is not None:
+            self.store.close()
+        self.store = None
+        self.conversation_id = None
+
+    def model_name(self) -> str:
+        return model_names(self.pair) if self.pair is not None else self.source
+
+    def bundle_name(self) -> str | None:
+        return str(self.pair.target_path) if self.pair is not None else None
+
+    def save_turn(self, done: Done) -> None:
+        """Store a finished or cancelled turn now (the conversation row is made by its first turn)."""
+        if self.unsaved is done:
+            self.unsaved = None
+        self._processed = done.processed
+
+        def save(store: Store) -> None:
+            if self.conversation_id is None:
+                self.conversation_title = title_for(done.turn.user)
+                self.conversation_id = store.create(self.conversation_title, done.settings, bundle=self.bundle_name(),
+                                                    model=self.model_name())
+            store.add_turn(self.conversation_id, done.turn, processed=done.processed, settings=done.settings,
+                           bundle=self.bundle_name(), model=self.model_name())
+
+        self.history(save)
+
+    def save_settings(self) -> None:
+        if self.conversation_id is not None:
+            self.history(lambda store: store.save_settings(self.conversation_id, self.settings))
+
+    async def open_conversation(self, conversation_id: int) -> bool:
+        """Show a stored conversation, restore its settings, and (once a model is loaded) rebuild its cache."""
+        try:
+            stored = self.store.load(conversation_id) if self.store is not None else None
+        except StoreError as e:
+            self.history_off(str(e))
+            return False
+        if stored is None:
+            self.note(f"No conversation {conversation_id}.", "error")
+            return False
+        settings = stored.settings
+        if conversation_id == self.resume:
+            settings = dataclasses.replace(settings, **self.overrides)
+        await self.start_over(settings)
+        self.conversation.turns.extend(stored.turns)
+        self.conversation_id, self.conversation_title = stored.info.id, stored.info.title
+        log = self.query_one("#log")
+        for turn in stored.turns:
+            self.note(turn.user, "user", "you")
+            message = AssistantMessage()
+            await log.mount(message)
+            await message.finish(turn)
+        done = [t.stats for t in stored.turns if t.stats is not None]
+        self.last_stats = done[-1] if done else None
+        self.query_one(StatsPanel).show(self.last_stats)
+        where = f" (it ran on {stored.info.model})" if stored.info.model and self.pair is not None and stored.info.model != self.model_name() else ""
+        self.note(f"Resumed “{stored.info.title}” (#{stored.info.id}, {len(stored.turns)} turns){where}.", "info")
+        if self.pair is not None:
+            if self.settings.speculative and self.pair.drafter is None:
+                self.settings.speculative = False
+            if self.conversation.reasoning_supported:
+                self.query_one("#reasoning", Select).value = self.settings.reasoning
+        self._stored_bundle = stored.info.bundle
+        same_model = stored.info.bundle in (None, self.bundle_name()) or self.pair is None
+        self._processed = stored.processed if same_model else []
+        if self.pair is not None and self._processed:
+            self.start_rebuild()
+        self.set_status()
+        self.scroll_log()
+        return True
+
+    def start_rebuild(self) -> None:
+        """Prefill the stored cache contents on the MLX thread, so the next turn reuses them."""
+        if self.pair is not None and self.pair.drafter is None and self.settings.speculative:
+            self.settings.speculative = False
+        self.busy = True
+        self.set_status(f"rebuilding the cache ({len(self._processed)} tokens)…")
+        processed, s = list(self._processed), self.settings
+        self.mlx.submit(lambda: self._rebuild_job(processed, s.speculative, s.block_size))
+
+    def on_rebuilt(self, message: Rebuilt) -> None:
+        self.busy = False
+        if message.error:
+            self.note(f"Could not rebuild the cache ({message.error}); the next turn prefills the whole chat.", "error")
+        else:
+            self.note(f"Cache rebuilt: {message.tokens} tokens in {message.seconds:.1f} s.", "info")
+        self.set_status()
+        if self.first_message:
+            self.ask(self.first_message)
+            self.first_message = None
+
+    def action_conversations(self) -> None:
+        if self.store is None:
+            self.note("No history: started with --no-history, or the database could not be used.", "error")
+            return
+        if self.busy:
+            self.note("Still busy; wait for the answer (esc cancels it) before switching conversations.", "error")
+            return
+        self.push_screen(ConversationList(self.store, self.conversation_id), self.chosen)
+
+    async def chosen(self, choice: Choice | None) -> None:
+        if choice is None:
+            return
+        if choice.error:
+            self.history_off(choice.error)
+            return
+        if self.conversation_id in choice.renamed:
+            self.conversation_title = choice.renamed[self.conversation_id]
+        if self.conversation_id in choice.deleted:
+            await self.start_over()
+            self.note("This conversation was deleted; a new one starts here.", "info")
+        if choice.action == "open" and choice.conversation_id is not None:
+            await self.open_conversation(choice.conversation_id)
+        elif choice.action == "new":
+            await self.start_over()
+            self.note("New conversation.", "info")
+        self.set_status()
 
     def action_toggle_stats(self) -> None:
         side = self.query_one(StatsPanel)
@@ -381,12 +623,20 @@ class ChatApp(App):
         self.query_one("#status", Static).update(" · ".join(parts))
 
 
-def run(load: Callable[[], object], settings: Settings, source: str, exit_wait_s: float = 3.0) -> int:
-    """Run the app in this terminal; returns the exit code."""
-    app = ChatApp(load, settings, source)
+def run(load: Callable[[], object], settings: Settings, source: str, exit_wait_s: float = 3.0, **options) -> int:
+    """Run the app in this terminal; returns the exit code. `options`: `ChatApp`'s keywords."""
+    app = ChatApp(load, settings, source, **options)
     app.run()
     # A cancelled turn stops within one round. A model still loading cannot be
     # stopped, and MLX aborts if the interpreter exits under a running thread.
-    if not app.mlx.close(timeout=exit_wait_s):
+    closed = app.mlx.close(timeout=exit_wait_s)
+    if app.unsaved is not None:  # quit during an answer: keep what was written, marked cancelled
+        try:
+            app.save_turn(app.unsaved)
+        except Exception:  # the app is gone: nowhere to show a failure
+            pass
+    if app.store is not None:
+        app.store.close()
+    if not closed:
         os._exit(app.return_code or 0)
     return app.return_code or 0

@@ -15,7 +15,10 @@ from typing import Any
 REASONING_LEVELS = ("low", "medium", "high", "xhigh")
 
 HELP = {
-    "clear": ("/clear", "forget the conversation and its cache"),
+    "clear": ("/clear", "start a new conversation (the current one stays saved)"),
+    "chats": ("/chats", "the saved conversations: open, rename, delete, new (also ctrl+o)"),
+    "rename": ("/rename TITLE", "rename this conversation"),
+    "export": ("/export FILE", "write this conversation as Markdown (.md) or JSON with token ids (.json)"),
     "system": ("/system TEXT", "set the system prompt (no TEXT: remove it)"),
     "temp": ("/temp X", "sampling temperature, 0 = greedy"),
     "block": ("/block N", "draft block size incl. the anchor (N >= 1)"),
@@ -55,7 +58,7 @@ def parse_command(line: str) -> Command:
         hint = f"; did you mean /{close[0]}?" if close else "; /help lists the commands"
         raise CommandError(f"unknown command /{name}{hint}")
     usage = HELP[name][0]
-    if name in ("clear", "stats", "help"):
+    if name in ("clear", "chats", "stats", "help"):
         if arg:
             raise CommandError(f"/{name} takes no argument")
         return Command(name)
@@ -87,7 +90,7 @@ def parse_command(line: str) -> Command:
         if arg.lower() not in REASONING_LEVELS:
             raise CommandError(f"/reasoning takes one of {', '.join(REASONING_LEVELS)}, got {arg!r}")
         return Command(name, arg.lower())
-    return Command(name, arg)  # save
+    return Command(name, arg)  # save, export, rename
 
 
 def help_text() -> str:

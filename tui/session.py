@@ -132,3 +132,22 @@ def run_turn(
     if cancelled:
         stats.finish_reason = "cancelled"
     return Turn(messages[-1]["content"], "".join(text), ids, stats, cancelled)
+
+
+def rebuild_state(pair, processed: list[int], state: DecodeState, *, speculative: bool = True,
+                  block_size: int | None = None) -> int:
+    """Refill `state` with the cache a live session had after `processed` (a resumed chat's stored ids).
+
+    Prefills exactly those ids, with the drafter (when speculative) observing them as it
+    would have live, and stops before decoding: the next turn then reuses the cache as in
+    the session that wrote them. Returns how many tokens the cache holds.
+    """
+    if not processed:
+        return 0
+    chunks = stream_generate(pair, list(processed), state=state, max_tokens=1, speculative=speculative,
+                             block_size=block_size)
+    try:
+        next(chunks)  # the prefill step; closing here leaves state.processed == processed
+    finally:
+        chunks.close()
+    return len(state.processed)

@@ -46,3 +46,29 @@ def save_transcript(path: str | Path, turns: list[Turn], *, model: str, settings
     md.write_text(transcript_markdown(turns, model=model, settings=settings))
     js.write_text(json.dumps(stats_record(turns, model=model, settings=settings), indent=2) + "\n")
     return md, js
+
+
+def conversation_record(turns: list[Turn], *, model: str, settings: Settings, title: str | None = None) -> dict:
+    """Everything about a conversation: settings, and per turn its text, token ids and stats."""
+    record = stats_record(turns, model=model, settings=settings)
+    record = {"format": "mlx-glimmer-chat/1", "title": title, **record}
+    for out, t in zip(record["turns"], turns):
+        out["answer"] = t.answer
+        out["reasoning"] = t.reasoning
+        out["token_ids"] = list(t.token_ids)
+    return record
+
+
+def export_conversation(path: str | Path, turns: list[Turn], *, model: str, settings: Settings,
+                        title: str | None = None) -> Path:
+    """`/export FILE`: Markdown for .md/.markdown, JSON (with token ids and stats) for .json."""
+    out = Path(path).expanduser()
+    suffix = out.suffix.lower()
+    if suffix in (".md", ".markdown"):
+        out.write_text(transcript_markdown(turns, model=model, settings=settings))
+    elif suffix == ".json":
+        record = conversation_record(turns, model=model, settings=settings, title=title)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+    else:
+        raise ValueError(f"{out.name}: name a .md (Markdown) or .json file")
+    return out

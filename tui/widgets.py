@@ -89,42 +89,80 @@ class Note(Static):
 
 
 class AssistantMessage(Vertical):
-    """Reasoning (collapsible, above) and answer: plain text while streaming, Markdown when done."""
+    """Reasoning (collapsible, above) and the answer, streamed into Markdown as it grows.
+
+    Only the text appended since the last update is handed to Textual's
+    `MarkdownStream`, which re-parses from the last block: a long answer costs
+    the same per update as a short one (re-rendering it whole per token is O(n^2)).
+    """
 
     def __init__(self):
         super().__init__(classes="assistant")
         self.border_title = "assistant"
+        self._shown = ""  # the answer text handed to the Markdown so far
+        self._reasoning: list[str] = []
+        self._stream = None
+        self._finished = False
 
     def compose(self) -> ComposeResult:
         # Kept by reference: Collapsible mounts its contents later than itself.
         self.reasoning_text = Static("", markup=False, classes="reasoning-text")
         yield Collapsible(self.reasoning_text, title="reasoning", collapsed=False)
-        yield Static("", markup=False, classes="answer-stream")
+        yield Markdown("", classes="answer")
         yield Static("", markup=False, classes="summary")
 
     def _show_reasoning(self, blocks: list[str]) -> None:
+        if blocks == self._reasoning:
+            return
+        self._reasoning = blocks
         self.set_class(bool(blocks), "-reasoning")
         self.reasoning_text.update("\n\n".join(blocks))
 
-    def stream(self, text: str) -> None:
+    @property
+    def streamed(self) -> str:
+        """The answer text shown so far."""
+        return self._shown
+
+    async def stream(self, text: str) -> None:
+        """Show the answer so far (`text` is the whole raw output up to now)."""
+        if self._finished:
+            return
         ch = split_channels(text, final=False)
         self._show_reasoning(ch.reasoning)
-        self.query_one(".answer-stream", Static).update(ch.answer if ch.framed else text)
+        answer = ("".join(t for k, t in ch.blocks if k == "answer") if ch.framed else text).lstrip()
+        markdown = self.query_one(Markdown)
+        if not answer.startswith(self._shown):  # rare: a marker turned out not to be one
+            self._shown = ""
+            await self._stop()
+            await markdown.update("")
+        delta = answer[len(self._shown):]
+        if delta:
+            if self._stream is None:
+                self._stream = Markdown.get_stream(markdown)
+            self._shown = answer
+            await self._stream.write(delta)
+
+    async def _stop(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
 
     async def finish(self, turn: Turn) -> None:
+        """The answer is complete: render it whole once, collapse the reasoning, add the summary line."""
+        self._finished = True
+        await self._stop()
         ch = split_channels(turn.text)
         self._show_reasoning(ch.reasoning)
         self.query_one(Collapsible).collapsed = True
-        await self.query_one(".answer-stream").remove()
-        await self.mount(Markdown(ch.answer, classes="answer"), before=self.query_one(".summary"))
+        await self.query_one(Markdown).update(ch.answer)
+        self._shown = ch.answer
         if turn.stats is not None:
             self.query_one(".summary", Static).update(turn_summary(turn.stats))
 
     @property
     def answer_source(self) -> str | None:
         """The Markdown shown for a finished answer (None while streaming)."""
-        found = self.query(Markdown)
-        return found.first().source if found else None
+        return self.query_one(Markdown).source if self._finished else None
 
 
 class StatsPanel(Vertical):
