@@ -103,6 +103,10 @@ def build_parser() -> Parser:
 
     add_distill_parser(sub)
 
+    from .server_cli import add_serve_parser
+
+    add_serve_parser(sub, add_drafter_flags, positive_int)
+
     d = sub.add_parser(
         "demo",
         help="build the embedded demo pair (SmolLM2-135M-Instruct + our DFlash drafter)",
@@ -330,6 +334,15 @@ def cmd_demo(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill, "bench": cmd_bench, "demo": cmd_demo,
             "parity": cmd_parity}
+
+
+def cmd_serve(args) -> int:
+    from .server_cli import cmd_serve as run
+
+    return run(args, open_pair)
+
+
+COMMANDS["serve"] = cmd_serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,154 @@
+"""A prefix cache for a server: conversations' decode states, least recently used first out, bounded by bytes.
+
+Every conversation the server answers leaves a `DecodeState` (the target's KV
+cache and the token ids it holds) and, when it was speculative, a drafter
+whose context covers the same tokens. A new request whose prompt starts with
+(nearly) all of a cached conversation's tokens takes that conversation out of
+the cache, prefills only what its prompt adds, and puts it back when it is
+done; `DecodeState` rolls back the few tokens a chat template may re-render.
+
+Each conversation owns its drafter: a shallow copy of the pair's drafter that
+shares the weights and keeps its own context. With one drafter shared by all
+conversations (omlx #2600, #1551) a reused state would meet a drafter that has
+since followed someone else's conversation. A copy is started from scratch by
+`DecodeState`'s first use, as any drafter is (`reset()`), so a reused
+conversation drafts exactly what a cold start drafts.
+
+A conversation is held by one request at a time (it is taken out while in
+use). Reuse needs the new prompt to keep all but `max_rollback` of the cached
+tokens (a follow-up turn), or to be entirely cached (the same prompt again),
+so conversations that share only a head (a system prompt) do not take each
+other's caches.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .speculative import DecodeState
+
+_ids = count()
+
+
+@dataclass
+class Conversation:
+    """One cached conversation: its decode state and its own drafter (None for plain decoding)."""
+
+    state: DecodeState = field(default_factory=DecodeState)
+    drafter: object | None = None
+    nbytes: int = 0
+    key: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.processed
+
+
+@dataclass
+class PromptCacheStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0  # prompt tokens found in taken conversations (before any rollback)
+    evictions: int = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _arrays(obj, seen: set[int], depth: int = 0):
+    """The MLX arrays reachable from `obj` through containers and plain objects (never into nn.Modules)."""
+    if depth > 6 or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, nn.Module)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _arrays(x, seen, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _arrays(x, seen, depth + 1)
+    elif hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _arrays(x, seen, depth + 1)
+
+
+def conversation_nbytes(conv: Conversation, prototype: object | None) -> int:
+    """Bytes held by a conversation: its KV cache buffers and what its drafter holds beyond the shared prototype."""
+    seen: set[int] = set()
+    total = sum(a.nbytes for a in _arrays(conv.state.cache, seen))
+    if conv.drafter is not None:
+        shared = vars(prototype) if prototype is not None and hasattr(prototype, "__dict__") else {}
+        own = [v for k, v in vars(conv.drafter).items() if shared.get(k) is not v]
+        total += sum(a.nbytes for a in _arrays(own, seen))
+    return total
+
+
+class PromptCache:
+    """Cached conversations, least recently used evicted first, at most `max_bytes` in all."""
+
+    def __init__(self, drafter_prototype: object | None, max_bytes: int, max_rollback: int = 16):
+        self.prototype = drafter_prototype
+        self.max_bytes = max_bytes
+        self.max_rollback = max_rollback
+        self._entries: OrderedDict[int, Conversation] = OrderedDict()
+        self.stats = PromptCacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._entries.values())
+
+    def new(self) -> Conversation:
+        """A cold conversation with its own drafter."""
+        drafter = copy.copy(self.prototype) if self.prototype is not None else None
+        return Conversation(DecodeState(), drafter)
+
+    def take(self, prompt: Sequence[int]) -> Conversation:
+        """The cached conversation `prompt` extends best (removed from the cache), or a new one."""
+        best, best_common = None, 0
+        for conv in reversed(self._entries.values()):  # most recent first: it wins ties
+            n = common_prefix(conv.tokens, prompt)
+            extends = len(conv.tokens) - n <= self.max_rollback  # a follow-up turn (the template may re-render a few tokens)
+            repeats = n >= len(prompt) - 1  # the same prompt again (a retry): its old answer is rolled back
+            if n > best_common and (extends or repeats):
+                best, best_common = conv, n
+        if best is None:
+            self.stats.misses += 1
+            return self.new()
+        del self._entries[best.key]
+        self.stats.hits += 1
+        self.stats.reused_tokens += best_common
+        return best
+
+    def put(self, conv: Conversation) -> None:
+        """Keep a conversation (as the most recent) and evict the least recent ones beyond `max_bytes`."""
+        conv.nbytes = conversation_nbytes(conv, self.prototype)
+        if not conv.tokens or conv.nbytes > self.max_bytes:
+            self.stats.evictions += 1
+            return
+        self._entries[conv.key] = conv
+        self._entries.move_to_end(conv.key)
+        total = self.nbytes
+        while total > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            total -= old.nbytes
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()

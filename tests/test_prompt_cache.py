@@ -1,0 +1,170 @@
+"""The server's generation worker and prefix cache, without HTTP, on the tiny Muse pair.
+
+A conversation taken from the cache must give exactly what a cold start gives,
+also with sampling and a drafter, also after other conversations ran in between.
+"""
+
+import copy
+import queue
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer import DecodeState, SamplingParams
+from mlx_glimmer.prompt_cache import Conversation, PromptCache
+from mlx_glimmer.server_worker import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    GenerationWorker,
+    Job,
+    StopMatcher,
+    answer,
+)
+
+A = [256] + list(b"The quick brown fox")
+B = [256] + list(b"Lorem ipsum dolor sit amet")
+
+
+@pytest.fixture(scope="module")
+def worker(muse_pair):
+    w = GenerationWorker(lambda: muse_pair, max_queue=4, prompt_cache_bytes=64 << 20)
+    w.start()
+    yield w
+    w.close(timeout=10)
+
+
+def run(worker, **fields):
+    events: queue.Queue = queue.Queue()
+    worker.submit(Job(GenerationRequest(**fields), events.put))
+    text = []
+    while True:
+        e = events.get(timeout=120)
+        if isinstance(e, Delta):
+            text.append(e.text)
+        elif isinstance(e, Finished):
+            return "".join(text), e
+        elif isinstance(e, Failed):
+            raise AssertionError(e.message)
+
+
+def cold(pair, prompt, **kwargs):
+    """A cold start, with a drafter of its own (the pair's drafter stays the cache's untouched prototype)."""
+    return mlx_glimmer.generate(replace(pair, drafter=copy.copy(pair.drafter)), prompt, **kwargs)
+
+
+def answer_here(pair, cache, **fields):
+    """One job on this thread (the worker's code, without its thread)."""
+    text = []
+    done = answer(pair, cache, Job(GenerationRequest(**fields), lambda e: text.append(e.text)))
+    assert isinstance(done, Finished)
+    return "".join(text), done
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)])
+def test_follow_up_turns_reuse_their_conversation_and_equal_a_cold_start(muse_pair, sampling):
+    cache = PromptCache(muse_pair.drafter, 1 << 30)
+    text_a, first_a = answer_here(muse_pair, cache, prompt_tokens=A, max_tokens=12, block_size=4, **sampling)
+    assert first_a.stats.prefill_tokens == len(A)
+    ids_a = cold(muse_pair, A, max_tokens=12, block_size=4, **sampling).token_ids
+    answer_here(muse_pair, cache, prompt_tokens=B, max_tokens=12, block_size=4, **sampling)  # another conversation
+
+    follow_up = A + ids_a + list(b"?")  # shorter than the drafter's window: its old context matters
+    text, done = answer_here(muse_pair, cache, prompt_tokens=follow_up, max_tokens=20, block_size=4, **sampling)
+    assert done.stats.prefill_tokens < len(follow_up) // 2  # only what the follow-up adds
+    ref = cold(muse_pair, follow_up, max_tokens=20, block_size=4, **sampling)
+    assert text == ref.text and done.stats.generated_tokens == ref.stats.generated_tokens
+    assert done.stats.acceptance_lengths == ref.stats.acceptance_lengths
+
+    # The conversation's drafter followed this conversation, not the one in between: after another
+    # interleaved request, a short third turn leaves it drafting exactly what a cold run's drafter drafts.
+    answer_here(muse_pair, cache, prompt_tokens=B, max_tokens=12, block_size=4, **sampling)
+    turn3 = follow_up + ref.token_ids + list(b"!")
+    answer_here(muse_pair, cache, prompt_tokens=turn3, max_tokens=2, block_size=4, **sampling)
+    warm = next(c for c in cache._entries.values() if c.tokens[: len(turn3)] == turn3)
+    params, key = SamplingParams(temperature=1.0), mx.random.key(0)
+    _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
+    ref_conv = Conversation(DecodeState(), copy.copy(muse_pair.drafter))
+    mlx_glimmer.generate(replace(muse_pair, drafter=ref_conv.drafter), turn3, max_tokens=2, block_size=4,
+                         state=ref_conv.state, **sampling)
+    assert warm.tokens == ref_conv.tokens
+    _, cold_probs = ref_conv.drafter.propose(ref_conv.tokens[-1], 3, params, key)
+    assert mx.allclose(warm_probs, cold_probs, atol=1e-5).item()
+
+
+def test_the_same_prompt_again_reuses_it_and_conversations_sharing_only_a_head_do_not(worker, muse_pair):
+    worker.prompt_cache.clear()
+    run(worker, prompt_tokens=A, max_tokens=12)
+    _, again = run(worker, prompt_tokens=A, max_tokens=12)
+    assert again.stats.prefill_tokens == 1  # all but the last prompt token came from the cache
+    run(worker, prompt_tokens=A + list(b" jumps over the lazy dog, twice over and over"), max_tokens=12)
+    other = A[:5] + list(b"something else entirely, long enough to differ")
+    hits = worker.prompt_cache.stats.hits
+    _, done = run(worker, prompt_tokens=other, max_tokens=4)
+    assert worker.prompt_cache.stats.hits == hits and done.stats.prefill_tokens == len(other)
+
+
+def test_stop_strings_end_generation_and_are_not_returned(worker, muse_pair):
+    ref = cold(muse_pair, A, max_tokens=24).text
+    stop = ref[5:8]
+    text, done = run(worker, prompt_tokens=A, max_tokens=24, stop=[stop, "never here"])
+    assert done.finish_reason == "stop" and text == ref[: ref.index(stop)]
+
+
+def test_a_cancelled_job_stops_after_one_round_and_its_conversation_stays_usable(worker, muse_pair):
+    events: queue.Queue = queue.Queue()
+    job = Job(GenerationRequest(prompt_tokens=B, max_tokens=200, block_size=4), events.put)
+    worker.submit(job)
+    while not isinstance(events.get(timeout=120), Delta):
+        pass
+    job.cancelled.set()
+    while not isinstance(e := events.get(timeout=120), Finished):
+        pass
+    assert e.finish_reason == "cancelled" and e.stats.generated_tokens < 40
+    follow_up = B + list(b" again")
+    text, _ = run(worker, prompt_tokens=follow_up, max_tokens=10)
+    assert text == cold(muse_pair, follow_up, max_tokens=10).text
+
+
+def test_cache_is_bounded_by_bytes_least_recently_used_out(muse_pair):
+    cache = PromptCache(muse_pair.drafter, max_bytes=1 << 40)
+    convs = []
+    for prompt in (A, B, A[:3] + B):
+        conv = cache.take(prompt)
+        mlx_glimmer.generate(replace(muse_pair, drafter=conv.drafter), prompt, max_tokens=4, state=conv.state)
+        cache.put(conv)
+        convs.append(conv)
+    sizes = [c.nbytes for c in convs]
+    assert all(s > 0 for s in sizes) and cache.nbytes == sum(sizes)
+    cache.take(A + [1])  # A is now the most recent ...
+    cache.put(convs[0])
+    cache.max_bytes = sizes[0] + sizes[2]
+    cache.put(Conversation())  # (an empty one is not kept)
+    cache.put(convs[2])  # ... so B, the least recent, goes
+    assert {c.key for c in cache._entries.values()} == {convs[0].key, convs[2].key}
+    cache.max_bytes = 1
+    cache.put(convs[1])  # bigger than the whole bound: not kept
+    assert convs[1].key not in cache._entries
+
+
+@pytest.mark.parametrize(
+    "stops, pieces, out, stopped",
+    [
+        (["END"], ["hello E", "N", "D tail"], ["hello ", "", ""], True),
+        (["END"], ["hello E", "x"], ["hello ", "Ex"], False),
+        (["\n\n", "."], ["a\n", "b. c"], ["a", "\nb"], True),
+        ([], ["any", "thing"], ["any", "thing"], False),
+    ],
+)
+def test_stop_matcher_holds_back_what_could_start_a_stop_string(stops, pieces, out, stopped):
+    m = StopMatcher(stops)
+    got, hit = [], False
+    for p in pieces:
+        text, hit = m.feed(p)
+        got.append(text)
+        if hit:
+            break
+    assert got == out[: len(got)] and hit == stopped
