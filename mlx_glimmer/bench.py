@@ -143,7 +143,8 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], r
                     reference = toks
                 elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
                     results[m].mismatches += 1
-            print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}", file=log, flush=True)
+            so_far = ", ".join(f"{m} {r.tokens_per_second:.1f}" for m, r in results.items())
+            print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}", file=log, flush=True)
     return {"environment": environment(pair), "max_tokens": max_tokens, "prompts": len(encoded), "repeats": repeats,
             "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance}
                         for m, r in results.items()}}
@@ -180,8 +181,9 @@ def add_bench_parser(sub, add_common) -> None:
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
     p.add_argument("--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="JSONL prompts (default: held-out set)")
-    p.add_argument("--num-prompts", type=int, default=8, help="how many prompts (default 8)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    p.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default 3; 8 with --full)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 64; 128 with --full)")
+    p.add_argument("--full", action="store_true", help="the full set: 8 prompts x 128 tokens")
     p.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: the drafter's)")
     p.add_argument("--sweep-block-size", action="store_true", help="block sizes 2..16")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
@@ -197,6 +199,8 @@ def cmd_bench(args, open_pair) -> int:
     path = Path(args.prompts)
     if not path.is_file():
         raise GlimmerError(f"{path}: prompt file not found")
+    args.num_prompts = args.num_prompts or (8 if args.full else 3)
+    args.max_tokens = args.max_tokens or (128 if args.full else 64)
     texts = load_prompts(path)[: args.num_prompts]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     if args.sweep_block_size:

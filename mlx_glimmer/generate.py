@@ -16,6 +16,7 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
@@ -156,7 +157,16 @@ def prepare_request(pair, prompt, temperature, top_p, top_k, block_size, specula
 
 
 def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
-    """Turn the loop's `Step`s into text chunks with running stats (any backend's loop)."""
+    """Turn the loop's `Step`s into text chunks with running stats (any backend's loop).
+
+    When the consumer stops early (closes this generator, or it is collected),
+    `steps` is closed right here, so the loop's caches are tidied at once.
+    """
+    with closing(steps):
+        yield from _chunks(tokenizer, steps, stats, max_tokens, start, peak_memory_gb)
+
+
+def _chunks(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
     detok = tokenizer.detokenizer
     detok.reset()
     first_at = last_at = start

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .cache import trim_cache
+from .errors import GlimmerError
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from .target import Target
 
@@ -62,6 +63,9 @@ class DecodeState:
     drafter: object | None = None  # the drafter whose context covers exactly `processed`
     reserve: int = 0
     reused_tokens: int = 0  # prompt tokens the last turn did not have to prefill
+    target: Target | None = None  # the target whose K/V `cache` holds
+    ahead: int = 0  # cache entries past `processed`: plain decoding's run-ahead forward, not yet undone
+    owner: object | None = None  # the generation currently writing to this state
 
 
 # Extra rollback room in every cache: lets a chat template re-render the tail of
@@ -80,6 +84,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _resume(state: DecodeState, target: Target, prompt: Sequence[int], drafter, block_size: int) -> int:
     """Prepare `state` for `prompt`; returns how many prompt tokens are already in the cache."""
+    if state.target is not None and state.target is not target:
+        raise GlimmerError("this DecodeState holds another target's cache; start a new DecodeState() for this pair")
+    state.target = target
+    if state.ahead:  # an earlier generation stopped without being closed: undo its run-ahead forward now
+        trim_cache(state.cache, state.ahead)
+        state.ahead = 0
     reusable = (
         state.cache is not None
         and block_size + ROLLBACK_SLACK <= state.reserve
@@ -131,6 +141,7 @@ def generate_steps(
         target.capture(drafter.target_layer_ids)
     state = state if state is not None else DecodeState()
     done = _resume(state, target, prompt, drafter, block_size)
+    state.owner = owner = object()
     state.reused_tokens = done
     cache = state.cache
     key = mx.random.key(seed)
@@ -156,7 +167,7 @@ def generate_steps(
     if step.stopped:
         return
     if drafter is None:
-        yield from _plain_steps(target, state, anchor, params, key, max_tokens - generated, stop)
+        yield from _plain_steps(target, state, owner, anchor, params, key, max_tokens - generated, stop)
         return
 
     while generated < max_tokens:
@@ -204,13 +215,15 @@ def _next_token(target: Target, cache: list, token: mx.array, params: SamplingPa
     return choice.reshape(1).astype(mx.uint32)
 
 
-def _plain_steps(target, state, anchor: int, params, key, budget: int, stop: set) -> Iterator[Step]:
+def _plain_steps(target, state, owner, anchor: int, params, key, budget: int, stop: set) -> Iterator[Step]:
     """Plain decoding, pipelined as mlx-lm does it: the forward for token i + 1 is queued
     before token i is read back, so Python overhead overlaps the computation.
 
-    The queued forward means the cache may hold one token more than was committed;
-    it is rolled back when decoding ends (also when the caller stops early), so
-    `state.processed` always lists exactly what the cache holds.
+    The queued forward means the cache may hold one token more than was committed
+    (`state.ahead`). It is undone when this generator is closed (callers close it
+    explicitly when they stop early) or, if a caller never closes it, by the next
+    generation on the same state; a generator that no longer owns the state
+    leaves it alone, so a late garbage collection cannot undo another turn's work.
     """
     cache = state.cache
     tic = time.perf_counter()
@@ -218,7 +231,6 @@ def _plain_steps(target, state, anchor: int, params, key, budget: int, stop: set
     nxt = _next_token(target, cache, mx.array([anchor], dtype=mx.uint32), params, sub)
     state.processed.append(anchor)
     mx.async_eval(nxt)
-    queued_ahead = False
     try:
         for i in range(budget):
             ahead = None
@@ -226,19 +238,21 @@ def _plain_steps(target, state, anchor: int, params, key, budget: int, stop: set
                 key, sub = mx.random.split(key)
                 ahead = _next_token(target, cache, nxt, params, sub)
                 mx.async_eval(ahead)
-                queued_ahead = True
             token = int(nxt.item())
             if ahead is not None:
-                state.processed.append(token)
+                state.ahead = 1  # `token` is in the cache, not yet committed to `processed`
             now = time.perf_counter()
             stopped = token in stop
             yield Step([token], verify_s=now - tic, stopped=stopped)
             tic = now
             if stopped:
                 return
-            nxt, queued_ahead = ahead, False
+            if ahead is not None:
+                state.processed.append(token)
+                state.ahead = 0
+            nxt = ahead
     finally:
-        if queued_ahead:  # the forward of the last committed token ran ahead: undo it
-            mx.eval(nxt if not isinstance(nxt, type(None)) else [])
-            trim_cache(cache, 1)
-            state.processed.pop()
+        if state.owner is owner and state.ahead:  # the forward of the last committed token ran ahead: undo it
+            mx.eval(nxt if nxt is not None else [])
+            trim_cache(cache, state.ahead)
+            state.ahead = 0

@@ -72,3 +72,38 @@ def test_api_reports_prefill_tokens_per_turn(muse_pair):
     assert r2.stats.prefill_tokens < r2.stats.prompt_tokens
     assert r2.stats.prefill_tokens == r2.stats.prompt_tokens - state.reused_tokens
     assert r2.token_ids == mlx_glimmer.generate(muse_pair, msgs, max_tokens=12).token_ids
+
+
+def cache_length(state) -> int:
+    return max(getattr(c, "offset", 0) for c in state.cache)
+
+
+def test_closing_a_plain_stream_early_undoes_its_run_ahead_at_once(muse_pair):
+    state = DecodeState()
+    stream = mlx_glimmer.stream_generate(muse_pair, PROMPT, max_tokens=30, speculative=False, state=state)
+    for _ in range(5):
+        next(stream)
+    assert state.ahead == 1, "plain decoding queues the next forward before yielding"
+    stream.close()
+    assert state.ahead == 0 and cache_length(state) == len(state.processed)
+
+
+def test_an_abandoned_stream_is_tidied_by_the_next_turn_not_by_its_late_collection(muse_pair):
+    state = DecodeState()
+    stream = mlx_glimmer.stream_generate(muse_pair, PROMPT, max_tokens=30, speculative=False, state=state)
+    answer = [t for _, chunk in zip(range(6), stream) for t in chunk.token_ids]
+    turn2 = PROMPT + answer + list(b" and?")
+    second = mlx_glimmer.generate(muse_pair, turn2, max_tokens=25, speculative=False, state=state)
+    processed_after = list(state.processed)
+    stream.close()  # the old generator's late cleanup must not touch the new turn's state
+    assert state.processed == processed_after and cache_length(state) == len(state.processed)
+    assert second.token_ids == mlx_glimmer.generate(muse_pair, turn2, max_tokens=25, speculative=False).token_ids
+
+
+def test_a_decode_state_refuses_another_target(muse_pair, llama_pair):
+    import pytest
+
+    state = DecodeState()
+    mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=4, state=state)
+    with pytest.raises(mlx_glimmer.GlimmerError, match="another target"):
+        mlx_glimmer.generate(llama_pair, PROMPT, max_tokens=4, state=state)

@@ -81,8 +81,9 @@ def add_parity_parser(sub) -> None:
     p.add_argument("--prompts", default=None,
                    help="JSONL file ({'prompt': ...} or {'messages': [...]} per line) or plain text, one prompt a "
                         "line (default: mlx-glimmer's held-out prompts)")
-    p.add_argument("--num-prompts", type=positive_int, default=8, help="use the first N prompts (default 8)")
-    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per run (default 128)")
+    p.add_argument("--num-prompts", type=positive_int, default=None, help="use the first N prompts (default 3; 8 with --full)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="tokens per run (default 64; 128 with --full)")
+    p.add_argument("--full", action="store_true", help="the full check: 8 prompts x 128 tokens (~20 min on a 2-core CPU)")
     p.add_argument("--block-size", type=positive_int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, without the chat template")
     add_torch_flags(p)
@@ -94,7 +95,9 @@ def cmd_parity(args) -> int:
     from ..cli import open_pair
     from .parity import format_report, read_prompts, run_parity
 
-    prompts = read_prompts(args.prompts, args.num_prompts)
+    num_prompts = args.num_prompts or (8 if args.full else 3)
+    max_tokens = args.max_tokens or (128 if args.full else 64)
+    prompts = read_prompts(args.prompts, num_prompts)
     if args.bundle is None:
         from ..demo import demo_bundle
 
@@ -102,7 +105,7 @@ def cmd_parity(args) -> int:
     mlx_pair = open_pair(args.bundle, args.drafter)
     torch_pair = open_torch_pair(args.bundle, args.drafter, device=args.device, dtype=args.torch_dtype)
     report = run_parity(
-        mlx_pair, torch_pair, prompts, max_tokens=args.max_tokens, block_size=args.block_size,
+        mlx_pair, torch_pair, prompts, max_tokens=max_tokens, block_size=args.block_size,
         chat=not args.no_chat, source=str(args.bundle),
         log=lambda line: print(line.splitlines()[0], file=sys.stderr, flush=True),
     )
