@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..drafter import DFlashModel, DrafterConfig
 from ..errors import GlimmerError
+from ..families import family_of
 from ..loading import validate_pair
 from .plan import ModelPlan, finish_config, match_weights, read_config
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
@@ -25,6 +26,11 @@ def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name:
         raise GlimmerError(f"{source.path}: a drafter must be a safetensors checkpoint directory")
     config_path = source.path / "config.json"
     raw = read_config(source.path)
+    kind = family_of(raw)
+    if kind in ("dflash2", "dspark"):
+        from .family_plan import plan_family_drafter
+
+        return plan_family_drafter(kind, source, raw, target, bits, group_size, dtype_name)
     cfg = DrafterConfig.from_dict(raw)
     if raw.get("model_type") != "muse_glimmer_assistant" and cfg.source_format != "dflash":
         raise GlimmerError(

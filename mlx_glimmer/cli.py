@@ -23,6 +23,7 @@ JSON_FIELDS = (
     "ttft_s",
     "peak_memory_gb",
     "finish_reason",
+    "drafter_kind",
 )
 
 

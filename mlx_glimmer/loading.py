@@ -128,14 +128,14 @@ def validate_pair(target: Target, cfg: DrafterConfig, drafter_path: Path) -> Non
 
 
 def drafter_kind(path: Path) -> str:
-    """"dflash" for a DFlash/assistant checkpoint, "draft-model" for any other (causal LM) model dir."""
+    """The block-drafter family ("dflash", "dflash2", "dspark"), or "draft-model" for any other (causal LM) model dir."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return "dflash"  # load_drafter names the problem
-    if raw.get("model_type") == "muse_glimmer_assistant" or "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or []):
-        return "dflash"
-    return "draft-model"
+    from .families import family_of
+
+    return family_of(raw) or "draft-model"
 
 
 def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | None = None):
@@ -152,6 +152,13 @@ def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | N
             raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
         k = draft_k or 4
         return DraftModelDrafter(draft.model, draft_k=k, adaptive=draft_k is None, max_k=16)
+    kind = drafter_kind(path)
+    if kind in ("dflash2", "dspark"):
+        from .families import load_family_drafter
+
+        for f in path.glob("model*.safetensors"):
+            _check_safetensors(f)
+        return load_family_drafter(kind, path, target)
     cfg = read_drafter_config(path)
     validate_pair(target, cfg, path)
     for f in path.glob("model*.safetensors"):

@@ -1,0 +1,231 @@
+"""DSpark block drafters (dspark-mlx's standalone `layers.*` format) in MLX.
+
+A DSpark head is an EAGLE-style stack on the DFlash recipe: context =
+hidden_norm(fc(target features)); block queries [anchor, mask, ...] over
+[context ; block] keys, bidirectional, no window (the whole accepted context);
+Qwen3-style layers (q/k RMS-norm, GQA, SiLU MLP). What differs from DFlash:
+
+- block position i predicts the token after it (position 0, the anchor,
+  predicts the first draft), so a block of `block_size` positions drafts
+  `block_size` tokens: the loop's verify width is `block_size + 1`;
+- a low-rank Markov bias: logits_i = head(h_i) + W2 W1[previous token],
+  chosen left to right (the previous token of position 0 is the anchor);
+- a confidence head: sigmoid(proj([h_i ; W1[previous token]])) estimates
+  whether draft i will be accepted. With `confidence_threshold` > 0 the block
+  stops before the first draft whose confidence is below it (dspark-mlx's
+  `_confident_prefix_length`). That decision depends only on drafts already
+  made, so it is a stopping rule: greedy output and the sampled distribution
+  are unchanged, only the verify width shrinks.
+
+The checkpoint may carry its own `embed_tokens` / `lm_head` (dspark-mlx's
+drafters do); without them the head borrows the target's raw embedding rows
+and its full output head, as the DFlash assistant does. Facts from dspark-mlx
+0.1.0 (`arch/qwen3.py`, `model/heads.py`, `recipe.py`, `loop.py`). The
+DeepSeek-V4 (`mtp.*`, MLA + MoE) and Gemma4 DSpark backbones are not read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .dflash2 import BlockContext, load_family_weights, make_rope, quantizable, read_family_weights
+from .drafter import DecoderLayer, DFlashDrafter, DrafterConfig
+from .errors import GlimmerError
+
+DEFAULT_CONFIDENCE_THRESHOLD = 0.5
+UNSUPPORTED_BACKBONES = ("deepseek_v4", "gemma4", "gemma4_text")
+
+
+@dataclass
+class DSparkConfig(DrafterConfig):
+    markov_rank: int = 256
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
+    own_embeddings: bool = False
+    own_head: bool = False
+    confidence_bias: bool = True
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> "DSparkConfig":
+        model_type = raw.get("model_type")
+        if model_type in UNSUPPORTED_BACKBONES or "dspark_block_size" in raw:
+            raise GlimmerError(
+                f"{where}: model_type {model_type!r}: only Qwen3-style DSpark heads (layers.*) are supported, "
+                "not the DeepSeek-V4 or Gemma4 DSpark backbones"
+            )
+        cfg = dict(raw)
+        cfg["layer_types"] = ["full_attention"] * int(cfg.get("num_hidden_layers", 5))
+        cfg["sliding_window"] = None  # DSpark attends to the whole accepted context
+        cfg.setdefault("block_size", 7)
+        out = cls.from_dict(cfg)
+        out.raw = dict(raw)
+        out.context_reach = None
+        out.source_format = "dspark"
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.raw)
+        d["vocab_size"] = self.vocab_size
+        d["num_target_layers"] = self.num_target_layers
+        return d
+
+    def check(self, where: Path) -> None:
+        if self.markov_rank < 1:
+            raise GlimmerError(f"{where}: markov_rank {self.markov_rank} must be positive")
+        if self.block_size < 1:
+            raise GlimmerError(f"{where}: block_size {self.block_size} must be at least 1")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise GlimmerError(f"{where}: confidence_threshold {self.confidence_threshold} must be in [0, 1)")
+
+    def adopt_weights(self, names) -> None:
+        """Which optional parts the checkpoint carries (its own embedding / head, a confidence bias)."""
+        names = set(names)
+        self.own_embeddings = "embed_tokens.weight" in names
+        self.own_head = "lm_head.weight" in names
+        self.confidence_bias = "confidence_head.proj.bias" in names
+
+
+def read_dspark_config(path: Path) -> DSparkConfig:
+    cfg_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise GlimmerError(f"{cfg_file}: drafter config.json not found") from None
+    except json.JSONDecodeError as e:
+        raise GlimmerError(f"{cfg_file}: not valid JSON ({e})") from None
+    return DSparkConfig.from_raw(raw, cfg_file)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank token-transition bias: logits W2 (W1[token]) with W1, W2 both [vocab, rank]."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int, bias: bool):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=bias)
+
+
+class DSparkModel(BlockContext, nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.config = cfg
+        H, V = cfg.hidden_size, int(cfg.vocab_size or 0)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(V, cfg.markov_rank)
+        self.confidence_head = ConfidenceHead(H + cfg.markov_rank, cfg.confidence_bias)
+        if cfg.own_embeddings:
+            self.embed_tokens = nn.Embedding(V, H)
+        if cfg.own_head:
+            self.lm_head = nn.Linear(H, V, bias=False)
+        self.rope = make_rope(cfg)
+
+    def quant_predicate(self, path: str, module) -> bool:
+        return not path.startswith("confidence_head") and quantizable(module)  # one output row: nothing to gain
+
+    @staticmethod
+    def sanitize(weights: dict) -> dict:
+        return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark head bound to its target. `block_size` is the verify width (drafts + anchor)."""
+
+    kind = "dspark"
+
+    def __init__(self, model: DSparkModel, target, confidence_threshold: float | None = None):
+        super().__init__(model, target)
+        self.draft_len = int(self.config.block_size)
+        self.block_size = self.draft_len + 1
+        self.confidence_threshold = (
+            self.config.confidence_threshold if confidence_threshold is None else float(confidence_threshold)
+        )
+        self.stopped_early = 0  # blocks cut short by the confidence head
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.model.embed_tokens(ids) if self.config.own_embeddings else self.target.embed(ids)
+
+    def base_logits(self, hidden: mx.array) -> mx.array:
+        return self.model.lm_head(hidden) if self.config.own_head else self.target.head(hidden)
+
+    def block_hidden(self, anchor: int, count: int | None = None) -> mx.array:
+        """Drafter output for the full trained block [anchor, mask x (block_size - 1)]: [block_size, H]."""
+        self._flush()
+        ids = mx.array([anchor] + [self.mask_token_id] * (self.draft_len - 1))
+        return self.model(self.embed(ids)[None], self.position, self.context)[0]
+
+    def draft_block(self, anchor: int, n: int, params=None, key=None):
+        """Walk the block left to right: (tokens [n], biased logits [n, V], confidence logits [n], probs [n, V] | None)."""
+        from .sampling import probabilities
+
+        hidden = self.block_hidden(anchor)[:n]
+        base = self.base_logits(hidden).astype(mx.float32)
+        head, conf = self.model.markov_head, self.model.confidence_head
+        greedy = params is None or params.greedy
+        keys = None if greedy else mx.random.split(key, n)
+        previous = mx.array([anchor])
+        tokens, biased, embeds, q_rows = [], [], [], []
+        for i in range(n):
+            embed = head.markov_w1(previous)  # [1, r]
+            logits = base[i] + head.markov_w2(embed.astype(mx.float32))[0]
+            if greedy:
+                previous = mx.argmax(logits).reshape(1)
+            else:
+                q = probabilities(logits, params)
+                q_rows.append(q)
+                previous = mx.random.categorical(mx.log(q), key=keys[i]).reshape(1)
+            tokens.append(previous)
+            biased.append(logits)
+            embeds.append(embed[0])
+        joined = mx.concatenate([hidden, mx.stack(embeds).astype(hidden.dtype)], axis=-1)
+        confidence = conf.proj(joined.astype(mx.float32))[:, 0]
+        probs = mx.stack(q_rows) if q_rows else None
+        return mx.concatenate(tokens), mx.stack(biased), confidence, probs
+
+    def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
+        n = min(count, self.draft_len)
+        if n < 1:
+            return mx.array([], dtype=mx.uint32), None
+        tokens, _, confidence, probs = self.draft_block(anchor, n, params, key)
+        if self.confidence_threshold > 0:
+            keep = (mx.sigmoid(confidence) >= self.confidence_threshold).astype(mx.int32)
+            length = int(mx.cumprod(keep).sum().item())
+            if length < n:
+                self.stopped_early += 1
+                tokens = tokens[:length]
+                probs = probs[:length] if probs is not None else None
+        return tokens, probs
+
+
+def load_dspark_model(path: Path, cfg: DSparkConfig | None = None) -> DSparkModel:
+    path = Path(path)
+    cfg = cfg or read_dspark_config(path)
+    cfg.check(path / "config.json")
+    weights = read_family_weights(path, DSparkModel.sanitize)
+    cfg.adopt_weights(weights)
+    return load_family_weights(DSparkModel(cfg), path, weights)
+
+
+def load_dspark_drafter(path: Path, target) -> DSparkDrafter:
+    from .loading import validate_pair
+
+    path = Path(path)
+    cfg = read_dspark_config(path)
+    if cfg.vocab_size is None:
+        cfg.vocab_size = target.vocab_size
+    validate_pair(target, cfg, path)
+    return DSparkDrafter(load_dspark_model(path, cfg), target)

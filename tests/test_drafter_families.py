@@ -1,0 +1,289 @@
+"""DFlash2 and DSpark drafters: parity with their reference packages, losslessness, bad pairs, convert.
+
+The tiny checkpoints are written by the references themselves (z-lab `dflash`
+0.1.0, `dspark-mlx` 0.1.0; see family_checkpoints.py, which installs them
+without dependencies into .cache/refpkgs on first use).
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+import family_checkpoints as fc
+import tiny_checkpoints as tc
+from mlx_glimmer.dflash2 import DFlash2Drafter, compute_logits, load_dflash2_model
+from mlx_glimmer.dspark import DSparkDrafter, load_dspark_model
+from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.speculative import generate_steps
+
+ROUNDS = [11, 3, 1, 16, 5, 2, 9, 4]  # 51 context positions: over 6 windows of 8
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
+@pytest.fixture(scope="module")
+def family_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {
+        "dflash2": fc.build_dflash2(root / "dflash2"),
+        "dspark": fc.build_dspark(root / "dspark"),
+        # Always stops early somewhere on random weights: exercises the confidence cut.
+        "dspark_gated": fc.build_dspark(root / "dspark_gated", seed=5, confidence_threshold=0.6),
+    }
+
+
+@pytest.fixture(scope="module")
+def pairs(checkpoints, family_ckpts):
+    import mlx_glimmer
+
+    return {
+        kind: mlx_glimmer.load(target=checkpoints["muse"], drafter=family_ckpts[kind])
+        for kind in ("dflash2", "dspark", "dspark_gated")
+    }
+
+
+# --- parity with the references -------------------------------------------------------------
+
+
+def test_dflash2_blocks_match_the_reference_across_rounds_past_the_window(family_ckpts):
+    """Replays dflash_generate's drafter protocol (DynamicCache with past recording, crop to start)."""
+    from transformers import DynamicCache
+
+    dflash_model = fc.reference("dflash.model")
+    path = family_ckpts["dflash2"]
+    ref = dflash_model.DFlash2DraftModel.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_dflash2_model(path)
+    cfg = ours.config
+    assert cfg.sliding_window == 8 and cfg.block_size == 10 > cfg.sliding_window
+    assert [layer.self_attn.causal for layer in ours.layers] == [l.self_attn.is_causal for l in ref.layers] == [True, False]
+    B, H, V, k = cfg.block_size, cfg.hidden_size, cfg.vocab_size, len(cfg.target_layer_ids)
+    rng = np.random.default_rng(0)
+    head_w = rng.normal(0, 0.3, (V, H)).astype(np.float32)
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(head_w))
+    project = lambda h: h @ mx.array(head_w).T  # noqa: E731
+
+    cache = DynamicCache(config=ref.config)
+    cache.activate_past_recording()
+    context = ours.make_context()
+    position, worst, worst_q = 0, 0.0, 0.0
+    for n_new in ROUNDS:
+        feats = rng.standard_normal((1, n_new, k * H)).astype(np.float32)
+        noise = rng.standard_normal((1, B, H)).astype(np.float32)
+        anchor = int(rng.integers(0, V))
+        start = position + n_new
+        with torch.no_grad():
+            hidden = ref(
+                target_hidden=torch.from_numpy(feats),
+                noise_embedding=torch.from_numpy(noise),
+                position_ids=torch.arange(position, start + B)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )[:, 1 - B :, :]
+            cache.crop(-(cache.get_seq_length() - start))
+            ref_logits = ref.compute_logits(hidden, head)[0].numpy()
+            ref_tokens = ref.propose(hidden, torch.tensor([anchor]), head, 0.0)[0][0].tolist()
+            torch.manual_seed(0)
+            _, ref_cands, ref_q = ref.propose(hidden, torch.tensor([anchor]), head, 0.7)
+        ours.extend_context(mx.array(feats), context)
+        position = start
+        h = ours(mx.array(noise), position, context)[0][1:]
+        logits = compute_logits(h, project, cfg)
+        worst = max(worst, rel_err(logits, ref_logits))
+        tokens, _, _, _ = ours.candidate_selector.select(h, logits, anchor)
+        assert tokens.tolist() == ref_tokens
+        # Sampling: the first position's draft distribution (its predecessor is the anchor) is the reference's.
+        _, cands, _, q = ours.candidate_selector.select(h, logits, anchor, SamplingParams(temperature=0.7), mx.random.key(1))
+        theirs = dict(zip(ref_cands[0, 0].tolist(), ref_q[0, 0].tolist()))
+        mine = dict(zip(cands[0].tolist(), q[0].tolist()))
+        assert set(mine) == set(theirs)
+        worst_q = max(worst_q, max(abs(mine[t] - theirs[t]) for t in mine))
+    assert worst < 1e-4
+    assert worst_q < 1e-4
+
+
+def test_dspark_blocks_match_the_reference_across_rounds(family_ckpts):
+    """dspark-mlx's reference-matched eager interface (extend_context / draft) against ours."""
+    loader = fc.reference("dspark_mlx.loader")
+    path = family_ckpts["dspark"]
+    ref, _ = loader.load_draft(str(path))  # its own loader reads the checkpoint: the format is dspark-mlx's
+    ref.reset()
+    drafter = DSparkDrafter(load_dspark_model(path), target=None)
+    cfg = drafter.config
+    assert cfg.own_embeddings and cfg.own_head and drafter.block_size == cfg.block_size + 1
+    H, V, k = cfg.hidden_size, cfg.vocab_size, len(cfg.target_layer_ids)
+    drafter.reset()
+    rng = np.random.default_rng(1)
+    worst_logits, worst_conf = 0.0, 0.0
+    for n_new in ROUNDS:
+        feats = rng.standard_normal((1, n_new, k * H)).astype(np.float32)
+        anchor = int(rng.integers(0, V))
+        ref.extend_context(mx.array(feats))
+        ids, ref_logits, ref_conf = ref.draft(mx.array([anchor]))
+        drafter.observe(list(range(n_new)), mx.array(feats[0]))
+        tokens, logits, conf, _ = drafter.draft_block(anchor, cfg.block_size)
+        assert tokens.tolist() == ids[0, 1:].tolist()
+        worst_logits = max(worst_logits, rel_err(logits, ref_logits[0]))
+        worst_conf = max(worst_conf, rel_err(conf, ref_conf[0]))
+    assert worst_logits < 1e-4 and worst_conf < 1e-4
+
+
+# --- the loop stays lossless ------------------------------------------------------------------
+
+
+def plain_greedy(target, prompt, n):
+    return [t for s in generate_steps(target, prompt, drafter=None, max_tokens=n) for t in s.tokens]
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark", "dspark_gated"])
+def test_greedy_output_equals_plain_decoding_far_past_the_window(kind, pairs):
+    pair = pairs[kind]
+    assert pair.drafter.kind == kind.removesuffix("_gated")
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 256, size=13).tolist()
+    expected = plain_greedy(pair.target, prompt, 60)  # 73 positions: 9 windows of 8
+    steps = list(generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=60))
+    assert [t for s in steps for t in s.tokens] == expected
+    drafted = [s.drafted for s in steps[1:]]
+    assert max(drafted) == pair.drafter.block_size - 1
+    if kind == "dspark_gated":
+        assert min(drafted) < pair.drafter.block_size - 1  # the confidence head cut some blocks short
+
+
+def test_dspark_confidence_cut_is_the_reference_prefix_rule(pairs):
+    """Blocks stop before the first draft whose sigmoid(confidence) is below the threshold."""
+    drafter = pairs["dspark_gated"].drafter
+    target = pairs["dspark_gated"].target
+    target.capture(drafter.target_layer_ids)
+    drafter.reset()
+    prompt = list(range(40, 60))
+    _, feats = target.forward(mx.array(prompt), target.make_cache(16), capture=True)
+    drafter.observe(prompt, feats)
+    lengths = []
+    for anchor in range(60, 70):
+        full, _, conf, _ = drafter.draft_block(anchor, drafter.draft_len)
+        probs = 1 / (1 + np.exp(-np.array(conf)))
+        below = np.nonzero(probs < drafter.confidence_threshold)[0]
+        expect = int(below[0]) if below.size else drafter.draft_len
+        tokens, _ = drafter.propose(anchor, drafter.draft_len, SamplingParams(), None)
+        assert tokens.tolist() == full.tolist()[:expect]
+        lengths.append(expect)
+    assert min(lengths) < drafter.draft_len
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pairs(tmp_path_factory):
+    """A 32-token target (test_sampling's) with a DFlash2 and a gated DSpark head, so marginals can be enumerated."""
+    import mlx_glimmer
+    from test_sampling import V
+
+    root = tmp_path_factory.mktemp("families_v32")
+    tc.build_muse_target(root / "t", vocab_size=V, layers=4, weight_std=0.12, seed=5)
+    heads = {
+        "dflash2": fc.build_dflash2(root / "dflash2", vocab_size=V, target_layer_ids=(0, 2), num_target_layers=4,
+                                    mask_token_id=V - 1, block_size=4, seed=6),
+        "dspark_gated": fc.build_dspark(root / "dspark", vocab_size=V, target_layer_ids=(0, 2), num_target_layers=4,
+                                        mask_token_id=V - 1, block_size=3, seed=7, confidence_threshold=0.4),
+    }
+    return {kind: mlx_glimmer.load(target=root / "t", drafter=path) for kind, path in heads.items()}
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark_gated"])
+def test_sampled_tokens_follow_the_target_distribution(kind, small_vocab_pairs):
+    """Chi-square on tokens 1-3 against the target's exact marginals (enumerated), as test_sampling does."""
+    from test_sampling import PROMPT, chi_square_p, exact_marginals
+
+    pair = small_vocab_pairs[kind]
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    p1, p2, p3 = exact_marginals(pair.target, params)
+    draws, kept, rejected = [], 0, 0
+    for seed in range(400):
+        # 5 tokens: the first verification offers up to 3 drafts, so tokens 2 and 3 can both be drafted ones.
+        steps = list(generate_steps(pair.target, PROMPT, drafter=pair.drafter, params=params,
+                                    block_size=pair.drafter.block_size, max_tokens=5, seed=seed))
+        kept += sum(len(s.tokens) - 1 for s in steps[1:])
+        rejected += sum(s.drafted - (len(s.tokens) - 1) for s in steps[1:] if not s.stopped)
+        draws.append([t for s in steps for t in s.tokens][:3])
+    draws = np.array(draws)
+    assert kept > 40 and rejected > 40, (kept, rejected)  # both branches of the acceptance test ran
+    for position, expected in enumerate([p1, p2, p3]):
+        assert chi_square_p(draws[:, position], expected) > 0.001, f"token {position + 1}"
+
+
+# --- mismatched heads: one error line ---------------------------------------------------------
+
+
+def _edit_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("dflash_config."):
+            cfg["dflash_config"][key.split(".", 1)[1]] = value
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "kind, change, words",
+    [
+        ("dflash2", {"hidden_size": 96}, "hidden_size 96"),
+        ("dflash2", {"vocab_size": 300}, "vocab_size 300"),
+        ("dflash2", {"dflash_config.target_layer_ids": [1, 3, 9]}, "target_layer_ids [9]"),
+        ("dspark", {"hidden_size": 96}, "hidden_size 96"),
+        ("dspark", {"vocab_size": 300}, "vocab_size 300"),
+        ("dspark", {"target_layer_ids": [1, 3, 12]}, "target_layer_ids [12]"),
+    ],
+)
+def test_mismatched_head_is_one_error_line(kind, change, words, family_ckpts, checkpoints, tmp_path, capsys):
+    from mlx_glimmer.cli import main
+
+    bad = _edit_config(family_ckpts[kind], tmp_path / "bad", **change)
+    code = main(["generate", str(checkpoints["muse"]), "--drafter", str(bad), "--prompt", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert len(err) == 1 and err[0].startswith("error:") and "config.json" in err[0] and words in err[0], err
+
+
+def test_dspark_weights_of_the_wrong_vocabulary_are_one_error_line(family_ckpts, checkpoints, tmp_path):
+    """A head trained for another vocabulary (weights and config agree) does not fit the target."""
+    import mlx_glimmer
+    from mlx_glimmer.errors import GlimmerError
+
+    other = fc.build_dspark(tmp_path / "v300", vocab_size=300)
+    with pytest.raises(GlimmerError, match=r"config.json: vocab_size 300 does not match the target's 272"):
+        mlx_glimmer.load(target=checkpoints["muse"], drafter=other)
+
+
+# --- convert, then generate (the acceptance check) ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind, bits", [("dflash2", "8"), ("dspark", "16")])
+def test_convert_then_generate_equals_no_spec_and_json_names_the_family(kind, bits, family_ckpts, checkpoints, tmp_path, capsys):
+    from mlx_glimmer.cli import main
+
+    bundle = tmp_path / "bundle"
+    assert main(["convert", "--target", str(checkpoints["muse"]), "--drafter", str(family_ckpts[kind]),
+                 "--out", str(bundle), "--bits", "16", "--drafter-bits", bits, "--dtype", "float32", "--quiet"]) == 0
+    capsys.readouterr()
+    drafter_cfg = json.loads((bundle / "drafter" / "config.json").read_text())
+    assert ("quantization" in drafter_cfg) == (bits != "16")
+    runs = {}
+    for flag in ([], ["--no-spec"]):
+        code = main(["generate", str(bundle), "--prompt", "The quick brown fox", "--max-tokens", "40", "--temp", "0", "--json", *flag])
+        assert code == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)
+    spec, plain = runs[False], runs[True]
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert spec["drafter_kind"] == kind and plain["drafter_kind"] == "none"
+    assert spec["target_forwards"] <= plain["target_forwards"]
