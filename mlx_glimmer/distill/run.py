@@ -60,6 +60,11 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--context-layers", type=int, default=5, help="target layers feeding the drafter (default 5)")
     p.add_argument("--steps", type=int, default=4000, help="training steps, one answer each (default 4000)")
     p.add_argument("--anchors", type=int, default=32, help="blocks per answer per step (default 32)")
+    p.add_argument("--sequences-per-step", type=int, default=4, help="answers per optimiser step (default 4)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft vocabulary: the N tokens the target emits most (default: every emitted token)")
+    p.add_argument("--init", default="random",
+                   help="warm start: random (default), target (copy the target's last layers), or a drafter directory")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
@@ -164,6 +169,7 @@ def cmd_distill(args, open_pair) -> int:
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = TrainConfig(
         layers=args.layers, context_layers=args.context_layers, anchors=args.anchors, steps=args.steps,
+        sequences_per_step=args.sequences_per_step, draft_vocab_size=args.draft_vocab, init=args.init,
         learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed,
     )
     trainer = Trainer(target, records, config, out, mask_token_id=mask)
@@ -175,12 +181,16 @@ def cmd_distill(args, open_pair) -> int:
     log.update(
         command=" ".join(sys.argv), answers=len(records), target_tokens=n_tokens, draft_vocab=int(trainer.draft_vocab.shape[0]),
         config=vars(config), mask_token_id=mask, target_layer_ids=trainer.drafter_config.target_layer_ids,
+        draft_vocab_coverage=trainer.vocab_coverage,
     )
 
     def evaluate(tr: Trainer) -> float:
         report = heldout_acceptance(target, tr.model, eval_ids, max_tokens=args.eval_tokens, stop_ids=tok.eos_token_ids)
+        seen = tr.step * config.sequences_per_step
         log["evaluations"] = [e for e in log["evaluations"] if e["step"] != tr.step] + [
-            {"step": tr.step, "mean_acceptance": report.mean, "per_prompt": report.per_prompt}
+            {"step": tr.step, "mean_acceptance": report.mean, "per_prompt": report.per_prompt,
+             "sequences_seen": seen, "target_tokens_seen": round(seen * n_tokens / max(len(records), 1)),
+             "block_positions_per_second": getattr(tr, "positions_per_second", None)}
         ]
         log_path.write_text(json.dumps(log, indent=2))
         return report.mean

@@ -1,19 +1,24 @@
 """Training a DFlash drafter on the target's own answers (the DFlash recipe, in MLX).
 
-Per step, one answered prompt: the frozen target's features at
-`target_layer_ids` for every position (computed once per sequence and kept),
-a random set of anchor positions inside the answer, and one block per anchor:
-[anchor token, mask x (B-1)] at positions a..a+B-1, seeing the context
-before a and its own block (each block is a batch row, so blocks never see
-each other). Loss: cross-entropy of block positions 1..B-1 against the
-target's tokens, weighted exp(-(k-1)/gamma). The target's embedding table and
-output head are frozen and borrowed; only the drafter's layers, `fc` and norms
-learn.
+Per step, `sequences_per_step` answered prompts; for each, the frozen
+target's features at `target_layer_ids` for every position (computed once and
+kept on disk, `features.py`), a random set of `anchors` positions inside the
+answer, and one block per anchor: [anchor token, mask x (B-1)] at positions
+a..a+B-1, seeing its own sequence's context before a and its own block (each
+block is a batch row, so blocks never see each other). Loss: cross-entropy of
+block positions 1..B-1 against the target's tokens, weighted exp(-(k-1)/gamma).
+The target's embedding table and output head are frozen and borrowed; only
+the drafter's layers, `fc` and norms learn.
 
 The loss and the drafter's proposals use a reduced draft vocabulary (the
-tokens the target emitted in the training answers, EAGLE-3/FR-Spec style):
-the output head is the dominant cost at this size. Verification still uses
-the full vocabulary, so output stays lossless.
+`draft_vocab_size` tokens the target emits most often in the training answers,
+or all of them; EAGLE-3/FR-Spec style): the output head is the dominant cost at
+this size. Verification still uses the full vocabulary, so output stays
+lossless; a token outside the draft vocabulary is simply never drafted.
+
+Warm starts (`init`): "random"; "target" copies the target's last `layers`
+decoder layers into the drafter's (same shapes); a drafter directory
+fine-tunes its weights.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashModel, DrafterConfig, dflash_target_layer_ids
+from ..errors import GlimmerError
 from ..target import Target, head_weight
+from .features import FeatureStore, target_features  # noqa: F401  (re-exported for tests and scripts)
 
 
 @dataclass
@@ -40,7 +47,10 @@ class TrainConfig:
     layers: int = 3
     context_layers: int = 5
     block_size: int = 16
-    anchors: int = 32
+    anchors: int = 32  # blocks per sequence per step
+    sequences_per_step: int = 4
+    draft_vocab_size: int | None = None  # None: every token the target emitted
+    init: str = "random"  # "random", "target", or a drafter directory to fine-tune
     gamma: float = 7.0
     learning_rate: float = 6e-4
     warmup: int = 100
@@ -74,18 +84,17 @@ def drafter_config_for(target: Target, train: TrainConfig, mask_token_id: int, d
     )
 
 
-def target_features(target: Target, ids: list[int]) -> mx.array:
-    cache = target.make_cache(reserve=1)
-    _, feats = target.forward(mx.array(ids, dtype=mx.uint32), cache, capture=True)
-    return feats.astype(mx.float16)
-
-
-def block_forward(model: DFlashModel, noise: mx.array, positions: mx.array, ctx: mx.array, anchors: mx.array) -> mx.array:
-    """Hidden states of A blocks at once. noise [A, B, H]; positions [A] (anchor positions);
-    ctx [T, k*H] features of the whole sequence; block b sees context positions < anchors[b]."""
+def block_forward(model: DFlashModel, noise: mx.array, positions: mx.array, ctx: mx.array, anchors: mx.array,
+                  rows: mx.array | None = None) -> mx.array:
+    """Hidden states of A blocks at once. noise [A, B, H]; positions [A] (anchor positions); ctx [S, T, k*H]
+    features of S sequences (or [T, k*H] for one); `rows` [A] the sequence of each block (default all 0);
+    block a sees its sequence's context positions < anchors[a] and its own block."""
     A, B, _ = noise.shape
-    T = ctx.shape[0]
-    c = model.encoder(ctx[None].astype(mx.float32))  # [1, T, H]
+    if ctx.ndim == 2:
+        ctx = ctx[None]
+    rows = rows if rows is not None else mx.zeros((A,), dtype=mx.int32)
+    T = ctx.shape[1]
+    c = model.encoder(ctx.astype(mx.float32))  # [S, T, H]
     ctx_visible = mx.arange(T)[None, :] < anchors[:, None]  # [A, T]
     mask = mx.concatenate([ctx_visible, mx.ones((A, B), dtype=mx.bool_)], axis=1)[:, None, None, :]
     h = noise
@@ -96,12 +105,36 @@ def block_forward(model: DFlashModel, noise: mx.array, positions: mx.array, ctx:
         q = model.rope(q, offset=positions)
         k_blk, v_blk = att.project_kv(x, lambda t, offset: model.rope(t, offset=positions), 0)
         k_ctx, v_ctx = att.project_kv(c, model.rope, 0)
-        k = mx.concatenate([mx.broadcast_to(k_ctx, (A,) + k_ctx.shape[1:]), k_blk], axis=2)
-        v = mx.concatenate([mx.broadcast_to(v_ctx, (A,) + v_ctx.shape[1:]), v_blk], axis=2)
+        k = mx.concatenate([k_ctx[rows], k_blk], axis=2)
+        v = mx.concatenate([v_ctx[rows], v_blk], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=att.scale, mask=mask)
         h = h + att.o_proj(out.transpose(0, 2, 1, 3).reshape(A, B, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
+
+
+def draft_vocabulary(records: list[dict], mask_token_id: int, size: int | None) -> tuple[list[int], float]:
+    """The `size` most frequent answer tokens (all when None) plus the mask token, sorted; and their coverage."""
+    counts = np.bincount(np.concatenate([np.asarray(r["response_ids"], dtype=np.int64) for r in records]))
+    emitted = np.nonzero(counts)[0]
+    if size is not None and size < len(emitted):
+        emitted = emitted[np.argsort(-counts[emitted], kind="stable")[:size]]
+    coverage = float(counts[emitted].sum() / max(counts.sum(), 1))
+    return sorted(set(emitted.tolist()) | {mask_token_id}), coverage
+
+
+def copy_target_layers(model: DFlashModel, target: Target) -> None:
+    """Initialise drafter layer j from the target's layer n - L + j (matching shapes only)."""
+    source = target.model.model.layers[-len(model.layers):]
+    weights = []
+    for j, layer in enumerate(source):
+        own = dict(tree_flatten(model.layers[j].parameters()))
+        for name, value in tree_flatten(layer.parameters()):
+            if name in own and own[name].shape == value.shape and value.dtype in (mx.float32, mx.float16, mx.bfloat16):
+                weights.append((f"layers.{j}.{name}", value.astype(mx.float32)))
+    if not weights:
+        raise GlimmerError("init 'target': the target's layers share no weight shapes with the drafter's")
+    model.load_weights(weights, strict=False)
 
 
 class Trainer:
@@ -111,9 +144,10 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.log = log
         self.rng = np.random.default_rng(config.seed)
-        self.sequences = [r["prompt_ids"] + r["response_ids"] for r in records if len(r["response_ids"]) >= 2]
-        self.prompt_lens = [len(r["prompt_ids"]) for r in records if len(r["response_ids"]) >= 2]
-        vocab = sorted({t for r in records for t in r["response_ids"]} | {mask_token_id})
+        kept = [r for r in records if len(r["response_ids"]) >= 2]
+        self.sequences = [r["prompt_ids"] + r["response_ids"] for r in kept]
+        self.prompt_lens = [len(r["prompt_ids"]) for r in kept]
+        vocab, self.vocab_coverage = draft_vocabulary(kept, mask_token_id, config.draft_vocab_size)
         self.draft_vocab = mx.array(vocab, dtype=mx.int32)
         self.to_draft = np.full(target.vocab_size, -1, dtype=np.int64)
         self.to_draft[np.array(vocab)] = np.arange(len(vocab))
@@ -121,12 +155,13 @@ class Trainer:
         target.capture(tuple(self.drafter_config.target_layer_ids))
         mx.random.seed(config.seed)
         self.model = DFlashModel(self.drafter_config)
+        self.initialise(config.init)
         self.model.draft_vocab = self.draft_vocab
         self.head = head_weight(target)[self.draft_vocab]  # [Vd, H], frozen
         self.embed = target.model.model.embed_tokens
         self.step = 0
         self.order: list[int] = []  # sequences left in this epoch
-        self.features: dict[int, mx.array] = {}
+        self.features = FeatureStore(self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids)
         schedule = optim.join_schedules(
             [optim.linear_schedule(0.0, config.learning_rate, config.warmup),
              optim.cosine_decay(config.learning_rate, max(1, config.steps - config.warmup), config.learning_rate * 0.05)],
@@ -138,46 +173,84 @@ class Trainer:
         self.loss_and_grad = nn.value_and_grad(self.model, self.loss)
         self.model.freeze(keys=["draft_vocab"])
 
-    def loss(self, noise, positions, ctx, anchors, labels, valid):
-        h = block_forward(self.model, noise, positions, ctx, anchors)[:, 1:]  # [A, B-1, H]
+    def initialise(self, init: str) -> None:
+        if init == "random":
+            return
+        if init == "target":
+            copy_target_layers(self.model, self.target)
+            return
+        path = Path(init)
+        if not (path / "model.safetensors").is_file():
+            raise GlimmerError(f"--init: {init!r} is neither 'random', 'target' nor a drafter directory")
+        weights = [(k, v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"]
+        try:
+            self.model.load_weights(weights, strict=False)
+        except ValueError as e:
+            raise GlimmerError(f"--init {path}: its weights do not fit this drafter ({e})") from None
+
+    def loss(self, noise, positions, ctx, anchors, labels, valid, rows=None):
+        h = block_forward(self.model, noise, positions, ctx, anchors, rows)[:, 1:]  # [A, B-1, H]
         logits = h @ self.head.T
         ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")
         w = self.position_weights[None] * valid
         return (ce * w).sum() / mx.maximum(w.sum(), 1.0)
 
-    def batch(self, index: int):
-        seq, lp = self.sequences[index], self.prompt_lens[index]
-        if index not in self.features:
-            self.features[index] = target_features(self.target, seq)
-            mx.eval(self.features[index])
-        T, B, c = len(seq), self.config.block_size, self.config
-        candidates = np.arange(lp, T - 1)
-        anchors = np.sort(self.rng.choice(candidates, size=min(c.anchors, len(candidates)), replace=False))
-        block_ids = np.full((len(anchors), B), self.drafter_config.mask_token_id, dtype=np.int64)
-        block_ids[:, 0] = np.array(seq)[anchors]
-        label_pos = anchors[:, None] + np.arange(1, B)[None]
-        seq_arr = np.array(seq + [0] * B)
-        labels = self.to_draft[seq_arr[label_pos]]
-        valid = (label_pos < T) & (labels >= 0)
-        noise = self.embed(mx.array(block_ids))
-        return noise, mx.array(anchors), self.features[index], mx.array(anchors), mx.array(labels), mx.array(valid.astype(np.float32))
+    def batch(self, indices):
+        """The step's inputs for one sequence index or a list of them: blocks of every sequence, contexts padded."""
+        indices = [indices] if isinstance(indices, int) else list(indices)
+        self.features.ensure(self.log)
+        B, c = self.config.block_size, self.config
+        width = max(len(self.sequences[i]) for i in indices)
+        ctx = np.zeros((len(indices), width, self.features.width), dtype=np.float16)
+        ids, anchors, rows, labels, valid = [], [], [], [], []
+        for r, i in enumerate(indices):
+            seq, lp = self.sequences[i], self.prompt_lens[i]
+            T = len(seq)
+            ctx[r, :T] = self.features.get(i)
+            candidates = np.arange(lp, T - 1)
+            a = np.sort(self.rng.choice(candidates, size=min(c.anchors, len(candidates)), replace=False))
+            block_ids = np.full((len(a), B), self.drafter_config.mask_token_id, dtype=np.int64)
+            block_ids[:, 0] = np.array(seq)[a]
+            label_pos = a[:, None] + np.arange(1, B)[None]
+            seq_arr = np.array(seq + [0] * B)
+            lab = self.to_draft[seq_arr[label_pos]]
+            ids.append(block_ids)
+            anchors.append(a)
+            rows.append(np.full(len(a), r))
+            labels.append(lab)
+            valid.append((label_pos < T) & (lab >= 0))
+        anchors_arr = mx.array(np.concatenate(anchors))
+        noise = self.embed(mx.array(np.concatenate(ids)))
+        return (noise, anchors_arr, mx.array(ctx), anchors_arr, mx.array(np.concatenate(labels)),
+                mx.array(np.concatenate(valid).astype(np.float32)), mx.array(np.concatenate(rows).astype(np.int32)))
+
+    def next_indices(self) -> list[int]:
+        out = []
+        while len(out) < min(self.config.sequences_per_step, len(self.sequences)):
+            if not self.order:
+                self.order = [int(i) for i in self.rng.permutation(len(self.sequences))]
+            out.append(self.order.pop())
+        return out
 
     def train(self, evaluate=None, until: int | None = None) -> None:
         """Train to `config.steps` (or stop early at step `until`, as an interruption would)."""
         c = self.config
-        tic, losses = time.perf_counter(), []
+        self.features.ensure(self.log)
+        tic, losses, positions = time.perf_counter(), [], 0.0
         while self.step < min(c.steps, until or c.steps):
-            if not self.order:
-                self.order = [int(i) for i in self.rng.permutation(len(self.sequences))]
-            loss, grads = self.loss_and_grad(*self.batch(self.order.pop()))
+            inputs = self.batch(self.next_indices())
+            loss, grads = self.loss_and_grad(*inputs)
             self.optimizer.update(self.model, grads)
             mx.eval(loss, self.model.parameters(), self.optimizer.state)
             losses.append(loss.item())
+            positions += float(inputs[5].sum().item())
             self.step += 1
             if self.step % 25 == 0:
-                rate = 25 / (time.perf_counter() - tic)
-                print(f"[train] step {self.step}/{c.steps} loss {np.mean(losses):.3f} ({rate:.2f} steps/s)", file=self.log, flush=True)
-                tic, losses = time.perf_counter(), []
+                elapsed = time.perf_counter() - tic
+                self.positions_per_second = positions / elapsed
+                print(f"[train] step {self.step}/{c.steps} loss {np.mean(losses):.3f} ({25 / elapsed:.2f} steps/s, "
+                      f"{self.positions_per_second:.0f} block positions/s)", file=self.log, flush=True)
+                tic, losses, positions = time.perf_counter(), [], 0.0
             if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                 self.save(self.out_dir / "checkpoint")
             if evaluate is not None and (self.step % c.eval_every == 0 or self.step == c.steps):
