@@ -14,11 +14,13 @@ since followed someone else's conversation. A copy is started from scratch by
 `DecodeState`'s first use, as any drafter is (`reset()`), so a reused
 conversation drafts exactly what a cold start drafts.
 
-A conversation is held by one request at a time (it is taken out while in
-use). Reuse needs the new prompt to keep all but `max_rollback` of the cached
-tokens (a follow-up turn), or to be entirely cached (the same prompt again),
-so conversations that share only a head (a system prompt) do not take each
-other's caches.
+A conversation is held by one request at a time. A request that extends a
+cached conversation (keeping all but `max_rollback` of its tokens: a
+follow-up turn, whose template may re-render a few tokens) takes it out of
+the cache and puts it back extended. A request that shares only a part of it
+(a system prompt, a templated question, the same prompt again) gets a copy
+(`fork`), so the conversation stays for its own follow-up; copying a KV cache
+costs far less than prefilling it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Conversation:
 class PromptCacheStats:
     hits: int = 0
     misses: int = 0
-    reused_tokens: int = 0  # prompt tokens found in taken conversations (before any rollback)
+    reused_tokens: int = 0  # prompt tokens found in cached conversations
+    forks: int = 0  # hits served by a copy, leaving the cached conversation in place
     evictions: int = 0
 
 
@@ -100,10 +103,11 @@ def conversation_nbytes(conv: Conversation, prototype: object | None) -> int:
 class PromptCache:
     """Cached conversations, least recently used evicted first, at most `max_bytes` in all."""
 
-    def __init__(self, drafter_prototype: object | None, max_bytes: int, max_rollback: int = 16):
+    def __init__(self, drafter_prototype: object | None, max_bytes: int, max_rollback: int = 4, min_shared: int = 8):
         self.prototype = drafter_prototype
         self.max_bytes = max_bytes
         self.max_rollback = max_rollback
+        self.min_shared = min_shared  # fewer tokens in common start cold rather than copy
         self._entries: OrderedDict[int, Conversation] = OrderedDict()
         self.stats = PromptCacheStats()
 
@@ -119,22 +123,32 @@ class PromptCache:
         drafter = copy.copy(self.prototype) if self.prototype is not None else None
         return Conversation(DecodeState(), drafter)
 
+    def fork(self, conv: Conversation) -> Conversation:
+        """A deep copy of a conversation's caches and drafter context; weights stay shared."""
+        shared = vars(self.prototype) if self.prototype is not None and hasattr(self.prototype, "__dict__") else {}
+        memo = {id(v): v for v in shared.values()}
+        twin = copy.deepcopy(conv, memo)
+        twin.key = next(_ids)
+        return twin
+
     def take(self, prompt: Sequence[int]) -> Conversation:
-        """The cached conversation `prompt` extends best (removed from the cache), or a new one."""
+        """The conversation for `prompt`: the cached one it extends (taken out), a copy of the one it
+        shares most with, or a new one."""
         best, best_common = None, 0
         for conv in reversed(self._entries.values()):  # most recent first: it wins ties
             n = common_prefix(conv.tokens, prompt)
-            extends = len(conv.tokens) - n <= self.max_rollback  # a follow-up turn (the template may re-render a few tokens)
-            repeats = n >= len(prompt) - 1  # the same prompt again (a retry): its old answer is rolled back
-            if n > best_common and (extends or repeats):
+            if n > best_common:
                 best, best_common = conv, n
-        if best is None:
+        if best is None or best_common < min(self.min_shared, len(prompt) - 1):
             self.stats.misses += 1
             return self.new()
-        del self._entries[best.key]
         self.stats.hits += 1
         self.stats.reused_tokens += best_common
-        return best
+        if len(best.tokens) - best_common <= self.max_rollback:
+            del self._entries[best.key]
+            return best
+        self.stats.forks += 1
+        return self.fork(best)
 
     def put(self, conv: Conversation) -> None:
         """Keep a conversation (as the most recent) and evict the least recent ones beyond `max_bytes`."""

@@ -248,6 +248,8 @@ def metrics_text(server: ServerState) -> str:
            [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)])
     metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.stats.hits if cache else 0)
     metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.stats.misses if cache else 0)
+    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached",
+           cache.stats.forks if cache else 0)
     metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.stats.evictions if cache else 0)
     metric("prefix_cache_entries", "gauge", "conversations cached", len(cache) if cache else 0)
     metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", cache.nbytes if cache else 0)

@@ -13,7 +13,7 @@ import pytest
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
-from mlx_glimmer.prompt_cache import Conversation, PromptCache
+from mlx_glimmer.prompt_cache import Conversation, PromptCache, common_prefix
 from mlx_glimmer.server_worker import (
     Delta,
     Failed,
@@ -95,16 +95,29 @@ def test_follow_up_turns_reuse_their_conversation_and_equal_a_cold_start(muse_pa
     assert mx.allclose(warm_probs, cold_probs, atol=1e-5).item()
 
 
-def test_the_same_prompt_again_reuses_it_and_conversations_sharing_only_a_head_do_not(worker, muse_pair):
-    worker.prompt_cache.clear()
-    run(worker, prompt_tokens=A, max_tokens=12)
-    _, again = run(worker, prompt_tokens=A, max_tokens=12)
+def test_a_request_sharing_part_of_a_conversation_gets_a_copy_and_the_conversation_stays(muse_pair):
+    cache = PromptCache(muse_pair.drafter, 1 << 30)
+    long_a = A + list(b" jumps over the lazy dog")
+    answer_here(muse_pair, cache, prompt_tokens=long_a, max_tokens=12, block_size=4)
+    (kept,) = cache._entries.values()
+    kept_tokens = list(kept.tokens)
+
+    other = A + list(b" sleeps all day")  # shares A only
+    text, done = answer_here(muse_pair, cache, prompt_tokens=other, max_tokens=12, block_size=4)
+    assert cache.stats.forks == 1 and done.stats.prefill_tokens == len(other) - common_prefix(long_a, other)
+    assert text == cold(muse_pair, other, max_tokens=12, block_size=4).text
+    assert len(cache) == 2 and kept.tokens == kept_tokens  # the first conversation is still there, untouched
+
+    follow_up = kept_tokens + list(b"??")  # ... and its own follow-up still finds it
+    text, done = answer_here(muse_pair, cache, prompt_tokens=follow_up, max_tokens=12, block_size=4)
+    assert cache.stats.forks == 1 and done.stats.prefill_tokens == 2
+    assert text == cold(muse_pair, follow_up, max_tokens=12, block_size=4).text
+
+    _, again = answer_here(muse_pair, cache, prompt_tokens=other, max_tokens=12, block_size=4)  # a retry
     assert again.stats.prefill_tokens == 1  # all but the last prompt token came from the cache
-    run(worker, prompt_tokens=A + list(b" jumps over the lazy dog, twice over and over"), max_tokens=12)
-    other = A[:5] + list(b"something else entirely, long enough to differ")
-    hits = worker.prompt_cache.stats.hits
-    _, done = run(worker, prompt_tokens=other, max_tokens=4)
-    assert worker.prompt_cache.stats.hits == hits and done.stats.prefill_tokens == len(other)
+    unrelated = list(b"Something else entirely")
+    _, fresh = answer_here(muse_pair, cache, prompt_tokens=unrelated, max_tokens=4, block_size=4)
+    assert fresh.stats.prefill_tokens == len(unrelated) and cache.stats.misses == 2
 
 
 def test_stop_strings_end_generation_and_are_not_returned(worker, muse_pair):

@@ -1,0 +1,311 @@
+"""`mlx-glimmer serve` as a client sees it: a real server process on loopback, the official `openai` client.
+
+The server serves the embedded demo pair (SmolLM2-135M-Instruct + our DFlash
+drafter, real text and a real chat template); building it needs PyPI once,
+hence `network`. Answers are short (<= 48 tokens) to keep the module quick on
+a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import mlx_glimmer  # noqa: E402
+from mlx_glimmer import cli  # noqa: E402
+
+pytestmark = pytest.mark.network
+
+MAX_QUEUE = 12
+STORY = "Write a short story about a robot who learns to paint."
+
+
+class Server:
+    def __init__(self, *args: str, timeout: float = 300):
+        cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", *args, "--port", "0", "--max-queue", str(MAX_QUEUE)]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        self.log: list[str] = []
+        lines: queue.Queue = queue.Queue()
+
+        def drain():  # keep reading, so the pipe never fills
+            for line in self.proc.stderr:
+                self.log.append(line)
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                raise RuntimeError("serve exited before it was ready:\n" + "".join(self.log))
+            if " at http://" in line:
+                self.url = line.split(" at ")[-1].strip()  # http://127.0.0.1:PORT/v1
+                break
+        self.root = self.url.removesuffix("/v1")
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.url, api_key="not-needed", max_retries=0, timeout=180, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.root + "/metrics").text
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    from mlx_glimmer.demo import demo_bundle
+
+    return demo_bundle()
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    s = Server(str(bundle))
+    yield s
+    s.stop()
+    assert s.proc.returncode is not None
+    assert "Traceback" not in "".join(s.log), "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def pair(bundle):
+    return mlx_glimmer.load(bundle)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def glimmer(response) -> dict:
+    return response.model_extra["glimmer"]
+
+
+def test_models_health_and_metrics(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+    m = server.metrics()
+    for name in ("glimmer_queue_depth", "glimmer_mean_acceptance", "glimmer_prefix_cache_hits_total",
+                 "glimmer_decode_tokens_per_second", "glimmer_active_memory_bytes"):
+        assert name in m
+
+
+def test_greedy_answer_equals_generate_chat_streamed_and_not(server, bundle, capsys):
+    assert cli.main(["generate", str(bundle), "--chat", "--prompt", STORY, "--max-tokens", "48", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert expected["generated_tokens"] == 48
+
+    client = server.client()
+    whole = client.chat.completions.create(model="demo", messages=ask(STORY), max_tokens=48, temperature=0)
+    assert whole.choices[0].message.content == expected["text"]
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 48 and whole.usage.prompt_tokens == expected["prompt_tokens"]
+    stats = glimmer(whole)
+    assert stats["drafter"] == "dflash" and stats["target_forwards"] >= 1 and stats["mean_acceptance"] >= 1
+
+    stream = client.chat.completions.create(model="demo", messages=ask(STORY), max_tokens=48, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected["text"]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 48
+
+
+def test_follow_up_turn_prefills_under_half_its_prompt_and_equals_a_cold_start(server, pair):
+    client = server.client()
+    messages = ask("Name three colours of the rainbow.")
+    first = client.chat.completions.create(model="demo", messages=messages, max_tokens=24, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And one more?"}]
+    second = client.chat.completions.create(model="demo", messages=messages, max_tokens=24, temperature=0)
+    stats = glimmer(second)
+    assert stats["prefill_tokens"] < 0.5 * second.usage.prompt_tokens
+    assert stats["reused_tokens"] == second.usage.prompt_tokens - stats["prefill_tokens"]
+    assert second.usage.prompt_tokens_details.cached_tokens == stats["reused_tokens"]
+    assert second.choices[0].message.content == mlx_glimmer.generate(pair, messages, max_tokens=24).text
+
+
+def test_completions_endpoint_and_request_fields(server, pair):
+    client = server.client()
+    prompt = "The three primary colours are"
+    expected = mlx_glimmer.generate(pair, prompt, max_tokens=16).text
+    whole = client.completions.create(model="demo", prompt=prompt, max_tokens=16, temperature=0)
+    assert whole.choices[0].text == expected
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt=prompt, max_tokens=16, temperature=0, stream=True) if c.choices)
+    assert streamed == expected
+
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=16, extra_body={"speculative": False})
+    assert plain.choices[0].text == expected and glimmer(plain)["drafter"] == "none"
+    small = client.completions.create(model="demo", prompt=prompt, max_tokens=16, extra_body={"block_size": 4})
+    assert small.choices[0].text == expected and glimmer(small)["block_size"] == 4
+
+    stop = expected.strip().split()[2]
+    cut = client.completions.create(model="demo", prompt=prompt, max_tokens=16, stop=[stop])
+    assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+    sampled = [client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0.9, top_p=0.9,
+                                         seed=11).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1] == mlx_glimmer.generate(pair, prompt, max_tokens=12, temperature=0.9,
+                                                            top_p=0.9, seed=11).text
+
+
+def conversation(server, index: int) -> list[str]:
+    client = server.client()
+    messages = ask(f"Give me one fact about the number {index + 2}.")
+    answers = []
+    for turn in range(3):
+        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+        answers.append(r.choices[0].message.content)
+        messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "Another one?"}]
+    return answers
+
+
+def drop_mid_stream(server) -> int:
+    """Start a long stream, read a little of it, hang up; returns the chunks read."""
+    stream = server.client().chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
+    read = 0
+    for chunk in stream:
+        read += 1
+        if read == 3:
+            break
+    stream.close()
+    return read
+
+
+def test_eight_clients_three_turns_each_while_another_drops_mid_stream(server):
+    before = server.metrics()
+    with ThreadPoolExecutor(9) as pool:
+        dropped = pool.submit(drop_mid_stream, server)
+        results = list(pool.map(lambda i: conversation(server, i), range(8)))
+        assert dropped.result() == 3
+    assert len(results) == 8 and all(len(a) == 3 and all(a) for a in results)
+    # The same questions asked again, one at a time, give the same greedy answers.
+    assert conversation(server, 5) == results[5]
+    after = server.metrics()
+    assert after['glimmer_requests_total{finish_reason="cancelled"}'] >= 1
+    assert after["glimmer_prefix_cache_hits_total"] - before["glimmer_prefix_cache_hits_total"] >= 16  # turns 2 and 3
+    assert after["glimmer_queue_depth"] == 0
+
+
+def test_a_dropped_stream_stops_within_a_round_and_the_next_request_is_served(server):
+    before = server.metrics()
+    assert drop_mid_stream(server) == 3
+    deadline = time.monotonic() + 30
+    key = 'glimmer_requests_total{finish_reason="cancelled"}'
+    while server.metrics().get(key, 0) == before.get(key, 0):
+        assert time.monotonic() < deadline, "the dropped stream was not cancelled"
+        time.sleep(0.2)
+    generated = server.metrics()["glimmer_generated_tokens_total"] - before["glimmer_generated_tokens_total"]
+    assert generated <= 3 * 16  # the chunks read, plus at most a round or two of 16-token blocks; far from 400
+    r = server.client().chat.completions.create(model="demo", messages=ask("Say hi."), max_tokens=4)
+    assert r.choices[0].message.content
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    stream = server.client().chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
+    next(iter(stream))  # the model is busy with this one
+    body = {"model": "demo", "messages": ask("Say hi."), "max_tokens": 1}
+    with ThreadPoolExecutor(MAX_QUEUE + 4) as pool:
+        futures = [pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=300)
+                   for _ in range(MAX_QUEUE + 4)]
+        time.sleep(1.0)
+        stream.close()
+        responses = [f.result() for f in futures]
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+    assert all(r.status_code == 200 for r in responses if r.status_code != 503)
+    assert sum(r.status_code == 200 for r in responses) >= MAX_QUEUE - 1
+
+
+LONG = "word " * 9000  # more tokens than the demo's 8192-token context
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "demo", "messages": [', 400, None),
+    ("body not an object", b"[1, 2]", 400, None),
+    ("missing messages", {"model": "demo"}, 400, "messages"),
+    ("empty messages", {"model": "demo", "messages": []}, 400, "messages"),
+    ("messages of the wrong type", {"model": "demo", "messages": "hello"}, 400, "messages"),
+    ("message that is not an object", {"model": "demo", "messages": ["hello"]}, 400, "messages.0"),
+    ("message without a role", {"model": "demo", "messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    ("user message without content", {"model": "demo", "messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("unknown role", {"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("image content", {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    ("negative max_tokens", {"model": "demo", "messages": ask("hi"), "max_tokens": -5}, 400, "max_tokens"),
+    ("non-numeric temperature", {"model": "demo", "messages": ask("hi"), "temperature": "hot"}, 400, "temperature"),
+    ("top_p out of range", {"model": "demo", "messages": ask("hi"), "top_p": 0}, 400, "top_p"),
+    ("negative seed", {"model": "demo", "messages": ask("hi"), "seed": -1}, 400, "seed"),
+    ("zero block_size", {"model": "demo", "messages": ask("hi"), "block_size": 0}, 400, "block_size"),
+    ("unknown model", {"model": "gpt-17", "messages": ask("hi")}, 404, "model"),
+    ("n > 1", {"model": "demo", "messages": ask("hi"), "n": 2}, 400, "n"),
+    ("tools", {"model": "demo", "messages": ask("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ("logprobs", {"model": "demo", "messages": ask("hi"), "logprobs": True}, 400, "logprobs"),
+    ("five stop strings", {"model": "demo", "messages": ask("hi"), "stop": list("abcde")}, 400, "stop"),
+    ("prompt over the context", {"model": "demo", "messages": ask(LONG)}, 400, "messages"),
+    ("max_tokens past the context", {"model": "demo", "messages": ask("hi"), "max_tokens": 9000}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("what, body, status, param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server, what, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    for stream in (False, True):
+        if stream and isinstance(body, dict):
+            body = {**body, "stream": True}
+            kwargs = {"json": body}
+        r = httpx.post(server.url + "/chat/completions", timeout=60, **kwargs)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+        if param is not None:
+            assert error["param"] == param or error["param"].startswith(param), error
+        if "context" in what:
+            assert error["code"] == "context_length_exceeded"
+    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+
+
+def test_bad_completions_and_routes(server):
+    for body, param in [({"model": "demo"}, "prompt"), ({"model": "demo", "prompt": ""}, "prompt"),
+                        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"), ({"model": "demo", "prompt": [10**9]}, "prompt"),
+                        ({"model": "demo", "prompt": "hi", "echo": True}, "echo")]:
+        r = httpx.post(server.url + "/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+    assert httpx.get(server.url + "/nowhere").status_code == 404
+    assert httpx.get(server.url + "/chat/completions").status_code == 405
+    with pytest.raises(openai.BadRequestError):
+        server.client().chat.completions.create(model="demo", messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=ask("hi"), max_tokens=4)
+
+
+def test_serve_flag_errors_are_one_line(capsys):
+    assert cli.main(["serve", "--port", "70000"]) == 2
+    assert cli.main(["serve", "--prompt-cache-bytes", "lots"]) == 2
+    assert cli.main(["serve", "/no/such/bundle", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error:") for line in err), err
