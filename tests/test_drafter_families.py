@@ -19,6 +19,8 @@ from mlx_glimmer.dspark import DSparkDrafter, load_dspark_model
 from mlx_glimmer.sampling import SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
+pytestmark = pytest.mark.network  # the reference packages come from PyPI on first use (then .cache/refpkgs)
+
 ROUNDS = [11, 3, 1, 16, 5, 2, 9, 4]  # 51 context positions: over 6 windows of 8
 
 
@@ -320,3 +322,14 @@ def test_convert_then_generate_equals_no_spec_and_json_names_the_family(kind, bi
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["drafter_kind"] == kind and plain["drafter_kind"] == "none"
     assert spec["target_forwards"] <= plain["target_forwards"]
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_convert_refuses_a_mismatched_head_with_one_error_line(kind, family_ckpts, checkpoints, tmp_path, capsys):
+    from mlx_glimmer.cli import main
+
+    bad = _edit_config(family_ckpts[kind], tmp_path / "bad", hidden_size=96)
+    code = main(["convert", "--target", str(checkpoints["muse"]), "--drafter", str(bad), "--out", str(tmp_path / "b"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and not (tmp_path / "b").exists()
+    assert len(err) == 1 and err[0].startswith("error:") and "config.json: hidden_size 96" in err[0], err
