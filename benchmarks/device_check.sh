@@ -174,7 +174,7 @@ import sys, time
 import mlx_glimmer
 from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
-from mlx_glimmer.torch_backend.speculative import generate_steps
+from mlx_glimmer.speculative import generate_steps  # the one loop: a torch target runs it too
 ck, device = sys.argv[1], sys.argv[2]
 prompt = [256] + list(b"Once upon a time")
 toks = lambda steps: [t for s in steps for t in s.tokens]
@@ -182,7 +182,7 @@ toks = lambda steps: [t for s in steps for t in s.tokens]
 
 def report(pair, ref, i, other):
     """The reference's logit gap to the other token at the divergence (bfloat16 ulp at 16..32 is 0.125)."""
-    logits = pair.target.logits(prompt + ref[:i])[-1]
+    logits = pair.target.last_logits(prompt + ref[:i])
     return f"{ref[i]} vs {other}, gap {float(logits[ref[i]] - logits[other]):.3g} ({pair.dtype})"
 
 

@@ -91,7 +91,7 @@ def build_parser() -> Parser:
     from .torch_backend.cli import add_backend_flags, add_parity_parser
 
     add_backend_flags(g)
-    add_parity_parser(sub)
+    add_parity_parser(sub, positive_int)
 
     from .convert.cli import add_convert_parser
 
@@ -186,10 +186,11 @@ def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool 
 
 
 def cmd_generate(args) -> int:
+    from .generate import stream_generate
     from .torch_backend.cli import open_backend
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pair, stream_generate = open_backend(args)
+    pair = open_backend(args, open_pair)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -321,7 +322,7 @@ def cmd_distill(args) -> int:
 def cmd_parity(args) -> int:
     from .torch_backend.cli import cmd_parity as run
 
-    return run(args)
+    return run(args, open_pair)
 
 
 def cmd_demo(args) -> int:

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter import CONTEXT_SLACK, MLP, Attention, ContextCache, DFlashDrafter, DrafterConfig
+from .drafter import CONTEXT_SLACK, MLP, Attention, ContextCache, DFlashDrafter, DrafterConfig, read_weights, validate_pair
 from .errors import GlimmerError
 
 SELECTOR_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -303,17 +303,7 @@ class DFlash2Model(BlockContext, nn.Module):
 
 def read_family_weights(path: Path, sanitize: Callable[[dict], dict]) -> dict:
     """All tensors of a drafter directory, renamed by `sanitize`; one GlimmerError line on failure."""
-    path = Path(path)
-    files = sorted(path.glob("model*.safetensors"))
-    if not files:
-        raise GlimmerError(f"{path}: no model*.safetensors weights for the drafter")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # a truncated or foreign file
-            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
-    return sanitize(weights)
+    return sanitize(read_weights(path, "drafter"))
 
 
 def load_family_weights(model: nn.Module, path: Path, weights: dict) -> nn.Module:
@@ -390,8 +380,6 @@ def load_dflash2_model(path: Path, cfg: DFlash2Config | None = None) -> DFlash2M
 
 
 def load_dflash2_drafter(path: Path, target) -> DFlash2Drafter:
-    from .loading import validate_pair
-
     path = Path(path)
     cfg = read_dflash2_config(path)
     if cfg.vocab_size is None:

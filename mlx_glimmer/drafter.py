@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .errors import GlimmerError
+from .speculative import pick
 
 
 def dflash_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
@@ -305,6 +306,20 @@ class DFlashModel(nn.Module):
         return out
 
 
+def read_weights(path: Path, what: str) -> dict[str, mx.array]:
+    """All model*.safetensors tensors of a model directory, as MLX arrays."""
+    files = sorted(Path(path).glob("model*.safetensors"))
+    if not files:
+        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # a truncated or foreign file
+            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
+    return weights
+
+
 def read_drafter_config(path: Path) -> DrafterConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
@@ -316,19 +331,29 @@ def read_drafter_config(path: Path) -> DrafterConfig:
     return DrafterConfig.from_dict(raw)
 
 
+def validate_pair(target, cfg: DrafterConfig, drafter_path: Path) -> None:
+    """Does this drafter config fit `target` (a `TargetModel` on either backend)?"""
+    where = drafter_path / "config.json"
+    if cfg.hidden_size != target.hidden_size:
+        raise GlimmerError(f"{where}: hidden_size {cfg.hidden_size} does not match the target's {target.hidden_size}")
+    n = target.num_layers
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
+    if bad:
+        raise GlimmerError(f"{where}: target_layer_ids {bad} out of range for a {n}-layer target")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
+        raise GlimmerError(f"{where}: num_target_layers {cfg.num_target_layers} does not match the target's {n} layers")
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise GlimmerError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's {target.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise GlimmerError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({target.vocab_size})")
+    if cfg.block_size < 2:
+        raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
+
+
 def load_dflash_model(path: Path, config: DrafterConfig | None = None) -> DFlashModel:
     path = Path(path)
     config = config or read_drafter_config(path)
-    files = sorted(path.glob("model*.safetensors"))
-    if not files:
-        raise GlimmerError(f"{path}: no model*.safetensors weights for the drafter")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # a truncated or foreign file
-            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
-    weights = DFlashModel.sanitize(weights)
+    weights = DFlashModel.sanitize(read_weights(path, "drafter"))
     model = DFlashModel(config)
     quant = json.loads((path / "config.json").read_text()).get("quantization")
     if quant:
@@ -353,32 +378,25 @@ class DFlashDrafter:
     kind = "dflash"
 
     def __init__(self, model: DFlashModel, target):
-        self.model = model
-        self.target = target
-        self.config = model.config
-        self.target_layer_ids = tuple(self.config.target_layer_ids)
-        self.block_size = int(self.config.block_size)
-        self.mask_token_id = int(self.config.mask_token_id)
+        self._bind(model, model.config, target, model.get("draft_vocab"))
         self.context: list[ContextCache] = []
         self._pending: list[mx.array] = []
         self._pending_len = 0
-        self.draft_vocab = model.get("draft_vocab")
+
+    def _bind(self, model, config: DrafterConfig, target, draft_vocab) -> None:
+        self.model, self.config, self.target, self.draft_vocab = model, config, target, draft_vocab
+        self.target_layer_ids = tuple(config.target_layer_ids)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
         self._draft_head = None
 
-    def draft_logits(self, hidden: mx.array) -> mx.array:
+    def draft_logits(self, hidden):
         """Logits over the draft vocabulary (the full one unless the drafter has its own)."""
         if self.draft_vocab is None:
             return self.target.head(hidden)
         if self._draft_head is None:
-            from .target import head_weight
-
-            self._draft_head = head_weight(self.target)[self.draft_vocab]
-        logits = hidden @ self._draft_head.T
-        args = self.target.args
-        if getattr(args, "output_multiplier", None) is not None:
-            logits = logits * args.output_multiplier
-        cap = getattr(args, "final_logit_softcapping", None)
-        return mx.tanh(logits / cap) * cap if cap else logits
+            self._draft_head = self.target.head_rows(self.draft_vocab)
+        return self._draft_head(hidden)
 
     def reset(self) -> None:
         self.context = self.model.make_context()
@@ -425,17 +443,10 @@ class DFlashDrafter:
         ids = mx.array([anchor] + [self.mask_token_id] * count)
         return self.model(self.target.embed(ids)[None], position, self.context)[0]
 
-    def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
-        from .sampling import probabilities, sample
-
-        logits = self.draft_logits(self.block_hidden(anchor, count)[1:])
-        if params.greedy:
-            choice = mx.argmax(logits, axis=-1)
-            return (self.draft_vocab[choice] if self.draft_vocab is not None else choice), None
-        probs = probabilities(logits, params)
-        choice = sample(probs, key)
+    def propose(self, anchor: int, count: int, params, key):
+        choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, key)
         if self.draft_vocab is None:
             return choice, probs
-        full = mx.zeros((count, self.target.vocab_size), dtype=probs.dtype)
-        full[:, self.draft_vocab] = probs
-        return self.draft_vocab[choice], full
+        if probs is not None:
+            probs = self.target.sampling.spread(probs, self.draft_vocab, self.target.vocab_size)
+        return self.draft_vocab[choice], probs

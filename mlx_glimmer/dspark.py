@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dflash2 import BlockContext, load_family_weights, make_rope, quantizable, read_family_weights
-from .drafter import DecoderLayer, DFlashDrafter, DrafterConfig
+from .drafter import DecoderLayer, DFlashDrafter, DrafterConfig, validate_pair
 from .errors import GlimmerError
 
 DEFAULT_CONFIDENCE_THRESHOLD = 0.5
@@ -221,8 +221,6 @@ def load_dspark_model(path: Path, cfg: DSparkConfig | None = None) -> DSparkMode
 
 
 def load_dspark_drafter(path: Path, target) -> DSparkDrafter:
-    from .loading import validate_pair
-
     path = Path(path)
     cfg = read_dspark_config(path)
     if cfg.vocab_size is None:

@@ -1,4 +1,4 @@
-"""The Python API: `generate` and `stream_generate` over a loaded pair.
+"""The Python API: `generate` and `stream_generate` over a loaded pair, on MLX or torch.
 
 Prompts may be a string (encoded by the tokenizer, which adds BOS if it
 does so by itself), a list of token ids (used exactly as given), or chat
@@ -11,6 +11,9 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
     prefill_tokens_per_second   prompt tokens / prefill time
     decode_tokens_per_second    tokens after the first / time from first token to last
     acceptance_lengths[i]       tokens committed by target call i after prefill
+    peak_memory_gb              MLX's peak; on torch CUDA's peak allocation, MPS's driver allocation,
+                                or on CPU the process's peak resident size
+On torch the device is synchronised at every step, so times are wall-clock for finished work.
 """
 
 from __future__ import annotations
@@ -20,12 +23,10 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-import mlx.core as mx
-
 from .errors import GlimmerError
 from .loading import Pair
 from .sampling import SamplingParams
-from .speculative import DecodeState, generate_steps
+from .speculative import DecodeState, Drafter, generate_steps
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -105,36 +106,45 @@ def stream_generate(
     chat_template_kwargs: dict | None = None,
     state: DecodeState | None = None,
 ) -> Iterator[GenerationChunk]:
-    """Yield text as tokens are committed, with running stats.
+    """Yield text as tokens are committed, with running stats. `pair`: from `load` or `torch_backend.load_torch`.
 
     Pass the same `state` (a `DecodeState`) on every turn of a conversation to
     keep its KV cache and drafter context: each turn then prefills only the
     tokens its prompt adds to what is already cached.
     """
-    tokens, params, drafter, block_size, stats = prepare_request(
-        pair, prompt, temperature, top_p, top_k, block_size, speculative, chat_template_kwargs
-    )
-    mx.reset_peak_memory()
+    request = prepare_request(pair, prompt, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
+                              speculative=speculative, chat_template_kwargs=chat_template_kwargs)
+    pair.target.reset_peak_memory()
     start = time.perf_counter()
     steps = generate_steps(
         pair.target,
-        tokens,
-        drafter=drafter,
-        params=params,
-        block_size=block_size,
+        request.tokens,
+        drafter=request.drafter,
+        params=request.params,
+        block_size=request.block_size,
         max_tokens=max_tokens,
         stop_ids=pair.tokenizer.eos_token_ids,
         seed=seed,
         state=state,
     )
-    yield from chunks_from_steps(pair.tokenizer, steps, stats, max_tokens, start, lambda: mx.get_peak_memory() / 1e9)
+    yield from chunks_from_steps(pair.tokenizer, steps, request.stats, max_tokens, start, pair.target.peak_memory_gb)
 
 
-def prepare_request(pair, prompt, temperature, top_p, top_k, block_size, speculative, chat_template_kwargs):
-    """Validate one request: (prompt ids, sampling params, drafter or None, block size, fresh stats).
+@dataclass
+class Request:
+    """One validated request, as the loop takes it."""
 
-    Shared by the MLX and torch backends, so both accept and refuse the same things.
-    """
+    tokens: list[int]
+    params: SamplingParams
+    drafter: Drafter | None
+    block_size: int
+    stats: GenerationStats  # fresh, for this request's chunks
+
+
+def prepare_request(pair, prompt: Prompt, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    block_size: int | None = None, speculative: bool = True,
+                    chat_template_kwargs: dict | None = None) -> Request:
+    """Validate one request, so every caller accepts and refuses the same things."""
     try:
         params = SamplingParams(temperature, top_p, top_k)
     except ValueError as e:
@@ -153,7 +163,7 @@ def prepare_request(pair, prompt, temperature, top_p, top_k, block_size, specula
         drafter_kind=drafter.kind if drafter is not None else "none",
         block_size=block_size if drafter is not None else 1,
     )
-    return tokens, params, drafter, block_size, stats
+    return Request(tokens, params, drafter, block_size, stats)
 
 
 def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:

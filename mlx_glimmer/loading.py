@@ -20,8 +20,9 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
-from .drafter import DFlashDrafter, DrafterConfig, load_dflash_model, read_drafter_config
+from .drafter import DFlashDrafter, DrafterConfig, load_dflash_model, read_drafter_config, validate_pair
 from .errors import GlimmerError
+from .speculative import Drafter
 from .target import Target
 
 BUNDLE_FORMAT = "mlx-glimmer/1"
@@ -31,7 +32,7 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
 @dataclass
 class Pair:
     target: Target
-    drafter: DFlashDrafter | None
+    drafter: Drafter | None
     tokenizer: TokenizerWrapper
     target_path: Path
     drafter_path: Path | None = None
@@ -72,8 +73,8 @@ def _check_model_dir(path: Path, what: str) -> None:
         raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
 
 
-def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
-    path = Path(path)
+def read_target_config(path: Path) -> dict:
+    """A target directory's config.json (eos ids from generation_config.json), once the directory checks out."""
     _check_model_dir(path, "target")
     try:
         config = load_config(path)
@@ -81,19 +82,29 @@ def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
         raise GlimmerError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     if "model_type" not in config:
         raise GlimmerError(f"{path / 'config.json'}: no model_type field")
+    for f in path.glob("*.safetensors"):
+        _check_safetensors(f)
+    return config
+
+
+def open_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
+    """mlx-lm's tokenizer for the target at `path`, stopping at its config's eos ids (either backend)."""
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    return load_tokenizer(path, eos_token_ids=eos)
+
+
+def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
+    path = Path(path)
+    config = read_target_config(path)
     try:
         _get_classes(config)
     except ValueError:
         raise GlimmerError(f"{path / 'config.json'}: model_type {config['model_type']!r} is not supported by mlx-lm") from None
-    for f in path.glob("*.safetensors"):
-        _check_safetensors(f)
     try:
         model, config = load_model(path, get_model_classes=_text_tower_classes)
     except ValueError as e:
         raise GlimmerError(f"{path}: target weights do not match its config.json ({e})") from None
-    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
-    tokenizer = load_tokenizer(path, eos_token_ids=eos)
-    return Target(model, config), tokenizer
+    return Target(model, config), open_tokenizer(path, config)
 
 
 def _check_safetensors(path: Path) -> None:
@@ -107,24 +118,6 @@ def _check_safetensors(path: Path) -> None:
             raise GlimmerError(f"{path}: truncated safetensors file ({path.stat().st_size} bytes, header promises {8 + header_len + end})")
     except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError):
         raise GlimmerError(f"{path}: not a safetensors file") from None
-
-
-def validate_pair(target: Target, cfg: DrafterConfig, drafter_path: Path) -> None:
-    where = drafter_path / "config.json"
-    if cfg.hidden_size != target.hidden_size:
-        raise GlimmerError(f"{where}: hidden_size {cfg.hidden_size} does not match the target's {target.hidden_size}")
-    n = target.num_layers
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
-    if bad:
-        raise GlimmerError(f"{where}: target_layer_ids {bad} out of range for a {n}-layer target")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
-        raise GlimmerError(f"{where}: num_target_layers {cfg.num_target_layers} does not match the target's {n} layers")
-    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-        raise GlimmerError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's {target.vocab_size}")
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise GlimmerError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({target.vocab_size})")
-    if cfg.block_size < 2:
-        raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
 
 
 def drafter_kind(path: Path) -> str:
@@ -159,11 +152,16 @@ def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | N
         for f in path.glob("model*.safetensors"):
             _check_safetensors(f)
         return load_family_drafter(kind, path, target)
+    return DFlashDrafter(load_dflash_model(path, checked_dflash_config(path, target)), target)
+
+
+def checked_dflash_config(path: Path, target) -> DrafterConfig:
+    """A DFlash drafter's config, checked against `target` (either backend), with its weight files."""
     cfg = read_drafter_config(path)
     validate_pair(target, cfg, path)
     for f in path.glob("model*.safetensors"):
         _check_safetensors(f)
-    return DFlashDrafter(load_dflash_model(path, cfg), target)
+    return cfg
 
 
 def read_bundle_manifest(path: Path) -> dict[str, Any]:
@@ -196,23 +194,9 @@ def load(
     `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10).
     `use_drafter=False` skips drafting (plain decoding only).
     """
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise GlimmerError(f"{path}: no such bundle or directory")
-        if (path / "glimmer.json").is_file():
-            manifest = read_bundle_manifest(path)
-            target_path = path / manifest["target"]
-            if drafter is None and manifest.get("drafter"):
-                drafter = path / manifest["drafter"]
-        else:
-            target_path = path
-    elif target is not None:
-        target_path = Path(target)
-    else:
-        raise GlimmerError("no model given: pass a bundle path or target=DIR")
-    tgt, tokenizer = load_target(target_path)
-    drafter_path = Path(drafter) if (drafter is not None and use_drafter) else None
+    paths = pair_paths(path, target, drafter, use_drafter)
+    tgt, tokenizer = load_target(paths.target)
+    drafter_path = paths.drafter
     if prompt_lookup and use_drafter:
         from .prompt_lookup import PromptLookupDrafter
 
@@ -220,4 +204,32 @@ def load(
     else:
         d = load_drafter(drafter_path, tgt, tokenizer, draft_k=draft_k) if drafter_path is not None else None
     mx.eval(tgt.model.parameters())
-    return Pair(tgt, d, tokenizer, target_path, drafter_path)
+    return Pair(tgt, d, tokenizer, paths.target, drafter_path)
+
+
+@dataclass
+class PairPaths:
+    target: Path
+    drafter: Path | None
+    bundle: bool  # the target is a mlx-glimmer bundle's
+
+
+def pair_paths(path, target, drafter, use_drafter: bool = True) -> PairPaths:
+    """Where the target and drafter of `load(path, target=, drafter=)` are (both backends)."""
+    bundle = False
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise GlimmerError(f"{path}: no such bundle or directory")
+        bundle = (path / "glimmer.json").is_file()
+        target_path = path
+        if bundle:
+            manifest = read_bundle_manifest(path)
+            target_path = path / manifest["target"]
+            if drafter is None and manifest.get("drafter"):
+                drafter = path / manifest["drafter"]
+    elif target is not None:
+        target_path = Path(target)
+    else:
+        raise GlimmerError("no model given: pass a bundle path or target=DIR")
+    return PairPaths(target_path, Path(drafter) if drafter is not None and use_drafter else None, bundle)

@@ -52,9 +52,20 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     return probs
 
 
+def argmax(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
 def sample(probs: mx.array, key: mx.array) -> mx.array:
     """One token id per row of `probs` ([..., V] -> [...])."""
     return mx.random.categorical(mx.log(probs), key=key)
+
+
+def spread(probs: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
+    """Distributions over `ids` [n, len(ids)] as distributions over the whole vocabulary [n, vocab_size]."""
+    full = mx.zeros((probs.shape[0], vocab_size), dtype=probs.dtype)
+    full[:, ids] = probs
+    return full
 
 
 def accept_greedy(draft: mx.array, target_logits: mx.array) -> tuple[int, int]:

@@ -1,34 +1,98 @@
 """The speculative loop: draft a block, verify it in one target pass, keep the agreeing prefix.
 
-The loop only knows a target, a drafter and sampling settings; it yields one
-`Step` per target call and leaves text, stats and stopping on strings to its
-callers. With no drafter (or `block_size` 1) every round is a plain decoding
-step through the same sampler: that is the baseline.
-
-A drafter is any object with:
-    kind: str                       name for stats ("dflash", ...)
-    target_layer_ids: tuple[int]    target layers whose outputs it reads (may be empty)
-    reset() -> None                 start a new sequence
-    observe(tokens, features) -> None
-                                    the next n committed token ids the target has processed,
-                                    and their features [n, k*H] (None without target_layer_ids)
-    propose(anchor, count, params, key) -> (tokens [<= count], probs [n, V] | None)
-                                    probs None means the tokens are deterministic
-    rollback(n) -> bool             forget the last n observed positions; False if it cannot
+Written once for every array library. The loop only knows a `TargetModel` (the
+target on one library: MLX's `target.Target`, torch's `TorchTarget`), a
+`Drafter` and sampling settings; it yields one `Step` per target call and
+leaves text, stats and stopping on strings to its callers. With no drafter (or
+`block_size` 1) every round is a plain decoding step through the same
+sampler: that is the baseline.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
-import mlx.core as mx
-
-from .cache import trim_cache
 from .errors import GlimmerError
-from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
-from .target import Target
+from .sampling import SamplingParams
+
+Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the loop asks of a drafter; its arrays are its target's kind.
+
+    observe(tokens, features)   the next n committed token ids the target has processed, and their
+                                features [n, k*H] (None without target_layer_ids)
+    propose(anchor, count, params, key)
+                                at most `count` draft tokens, and the distributions [n, V] they were
+                                drawn from (None: chosen deterministically)
+    rollback(n)                 forget the last n observed positions; False (and no change) if it cannot
+    """
+
+    kind: str  # name for stats ("dflash", ...)
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs it reads (may be empty)
+    block_size: int  # default verify width: drafted tokens + the anchor
+
+    def reset(self) -> None: ...  # start a new sequence
+    def observe(self, tokens: list[int], features: Array | None) -> None: ...
+    def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Array, Array | None]: ...
+    def rollback(self, n: int) -> bool: ...
+
+
+class SamplingOps(Protocol):
+    """One array library's `sampling` module (`mlx_glimmer.sampling`, `torch_backend.sampling`)."""
+
+    def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
+    def argmax(self, logits: Array) -> Array: ...
+    def sample(self, probs: Array, key: Any) -> Array: ...
+    def accept_greedy(self, draft: Array, target_logits: Array) -> tuple[int, int]: ...
+    def accept_sampled(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> tuple[int, int]: ...
+
+
+class TargetModel(Protocol):
+    """The target on one array library (`target.Target`, `torch_backend.target.TorchTarget`):
+    all that the loop needs and that differs between libraries.
+
+    forward(tokens, cache, capture)  tokens [L] -> final hidden states [L, H] and, with capture, the
+                                     outputs of the layers named by `capture(layer_ids)` [L, k*H] (else None)
+    head(hidden)                     logits [L, V] as the model's own forward computes them
+    make_cache(reserve)              a KV cache that rolls back at least `reserve` tokens at any length
+    trim(cache, n)                   forget the last n positions (n <= 0: nothing)
+    split(key, n)                    (the next key, n keys to use now)
+    launch(array) / sync(...)        start computing / finish computing (the cache's contents too)
+    """
+
+    sampling: SamplingOps
+
+    def capture(self, layer_ids: Sequence[int]) -> None: ...
+    def forward(self, tokens: Array, cache: Any, capture: bool) -> tuple[Array, Array | None]: ...
+    def head(self, hidden: Array) -> Array: ...
+    def make_cache(self, reserve: int) -> Any: ...
+    def can_trim(self, cache: Any, n: int) -> bool: ...
+    def trim(self, cache: Any, n: int) -> None: ...
+    def tokens(self, ids: Sequence[int] | Array) -> Array: ...  # token ids as this library's array
+    def new_key(self, seed: int) -> Any: ...
+    def split(self, key: Any, n: int) -> tuple: ...
+    def launch(self, array: Array) -> None: ...
+    def sync(self, *arrays: Array | None, cache: Any = None) -> None: ...
+
+
+def pick(target: TargetModel, logits: Array, params: SamplingParams, key) -> tuple[Array, Array | None]:
+    """One token per row of `logits`: the argmax, or a sample with the filtered distribution it came from."""
+    if params.greedy:
+        return target.sampling.argmax(logits), None
+    probs = target.sampling.probabilities(logits, params)
+    return target.sampling.sample(probs, key), probs
+
+
+def _accept(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> tuple[int, int]:
+    ops = target.sampling
+    if params.greedy:
+        return ops.accept_greedy(draft, logits)
+    return ops.accept_sampled(draft, draft_probs, ops.probabilities(logits, params), key)
 
 
 @dataclass
@@ -39,12 +103,6 @@ class Step:
     verify_s: float = 0.0
     prefill_tokens: int = 0  # > 0 only on the prefill step
     stopped: bool = False  # a stop token was committed (it is the last of `tokens`)
-
-
-def _choose(logits: mx.array, draft: mx.array, draft_probs, params: SamplingParams, key) -> tuple[int, int]:
-    if params.greedy:
-        return accept_greedy(draft, logits)
-    return accept_sampled(draft, draft_probs, probabilities(logits, params), key)
 
 
 @dataclass
@@ -58,12 +116,12 @@ class DecodeState:
     from scratch), and only the rest of the prompt is prefilled.
     """
 
-    cache: list | None = None
+    cache: Any = None
     processed: list[int] = field(default_factory=list)
-    drafter: object | None = None  # the drafter whose context covers exactly `processed`
+    drafter: Drafter | None = None  # the drafter whose context covers exactly `processed`
     reserve: int = 0
     reused_tokens: int = 0  # prompt tokens the last turn did not have to prefill
-    target: Target | None = None  # the target whose K/V `cache` holds
+    target: TargetModel | None = None  # the target whose K/V `cache` holds
     ahead: int = 0  # cache entries past `processed`: plain decoding's run-ahead forward, not yet undone
     owner: object | None = None  # the generation currently writing to this state
 
@@ -82,13 +140,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _resume(state: DecodeState, target: Target, prompt: Sequence[int], drafter, block_size: int) -> int:
+def _resume(state: DecodeState, target: TargetModel, prompt: Sequence[int], drafter: Drafter | None,
+            block_size: int) -> int:
     """Prepare `state` for `prompt`; returns how many prompt tokens are already in the cache."""
     if state.target is not None and state.target is not target:
         raise GlimmerError("this DecodeState holds another target's cache; start a new DecodeState() for this pair")
     state.target = target
     if state.ahead:  # an earlier generation stopped without being closed: undo its run-ahead forward now
-        trim_cache(state.cache, state.ahead)
+        target.trim(state.cache, state.ahead)
         state.ahead = 0
     reusable = (
         state.cache is not None
@@ -98,11 +157,11 @@ def _resume(state: DecodeState, target: Target, prompt: Sequence[int], drafter, 
     if reusable:
         keep = min(_common_prefix(state.processed, prompt), len(prompt) - 1)
         rollback = len(state.processed) - keep
-        can = all(c.can_trim(rollback) if hasattr(c, "can_trim") else c.is_trimmable() for c in state.cache)
+        can = target.can_trim(state.cache, rollback)
         if can and drafter is not None:
             can = drafter.rollback(rollback)
         if can:
-            trim_cache(state.cache, rollback)
+            target.trim(state.cache, rollback)
             del state.processed[keep:]
             if drafter is None:
                 state.drafter = None  # its context no longer follows the cache
@@ -117,10 +176,10 @@ def _resume(state: DecodeState, target: Target, prompt: Sequence[int], drafter, 
 
 
 def generate_steps(
-    target: Target,
+    target: TargetModel,
     prompt: Sequence[int],
     *,
-    drafter=None,
+    drafter: Drafter | None = None,
     params: SamplingParams = SamplingParams(),
     block_size: int = 16,
     max_tokens: int = 256,
@@ -144,12 +203,12 @@ def generate_steps(
     state.owner = owner = object()
     state.reused_tokens = done
     cache = state.cache
-    key = mx.random.key(seed)
+    key = target.new_key(seed)
 
     # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only.
     tic = time.perf_counter()
     todo = prompt[done:]
-    todo_arr = mx.array(todo, dtype=mx.uint32)
+    todo_arr = target.tokens(todo)
     for start in range(0, len(todo), prefill_step):
         chunk = todo[start : start + prefill_step]
         hidden, feats = target.forward(todo_arr[start : start + prefill_step], cache, capture)
@@ -157,9 +216,9 @@ def generate_steps(
             drafter.observe(chunk, feats)
         state.processed.extend(chunk)
         if start + prefill_step < len(todo):
-            mx.eval([c.state for c in cache], feats if feats is not None else [])
-    key, sub = mx.random.split(key)
-    _, first = _choose(target.head(hidden[-1:]), mx.array([], dtype=mx.uint32), None, params, sub)
+            target.sync(feats, cache=cache)
+    key, sub = target.split(key, 1)
+    _, first = _accept(target, target.head(hidden[-1:]), target.tokens([]), None, params, sub)
     step = Step([first], prefill_tokens=len(todo), verify_s=time.perf_counter() - tic, stopped=first in stop)
     yield step
     generated = 1
@@ -172,21 +231,20 @@ def generate_steps(
 
     while generated < max_tokens:
         b = min(block_size, max_tokens - generated)
-        key, k_draft, k_accept = mx.random.split(key, 3)
+        key, k_draft, k_accept = target.split(key, 2)
         tic = time.perf_counter()
+        draft, draft_probs = target.tokens([]), None
         if b > 1:
             # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
             draft, draft_probs = drafter.propose(anchor, b - 1, params, k_draft)
-            draft = draft.astype(mx.uint32)
-            mx.eval(draft, draft_probs if draft_probs is not None else [])
+            draft = target.tokens(draft)
+            target.sync(draft, draft_probs)
             b = draft.shape[0] + 1
-        else:
-            draft, draft_probs = mx.array([], dtype=mx.uint32), None
         toc = time.perf_counter()
-        tokens_in = mx.concatenate([mx.array([anchor], dtype=mx.uint32), draft])
-        hidden, feats = target.forward(tokens_in, cache, capture)
-        n, nxt = _choose(target.head(hidden), draft, draft_probs, params, k_accept)
-        committed = draft[:n].tolist() + [nxt]
+        drafted = draft.tolist()
+        hidden, feats = target.forward(target.tokens([anchor] + drafted), cache, capture)
+        n, nxt = _accept(target, target.head(hidden), draft, draft_probs, params, k_accept)
+        committed = drafted[:n] + [nxt]
         stopped = False
         for i, t in enumerate(committed):
             if t in stop:
@@ -194,10 +252,9 @@ def generate_steps(
                 break
         # The target has processed [anchor] + committed[:-1]; everything after is rolled back.
         m = len(committed)
-        trim_cache(cache, b - m)
+        target.trim(cache, b - m)
         processed = [anchor] + committed[:-1]
-        if drafter is not None:
-            drafter.observe(processed, feats[:m] if feats is not None else None)
+        drafter.observe(processed, feats[:m] if feats is not None else None)
         state.processed.extend(processed)
         verify_s = time.perf_counter() - toc
         generated += m
@@ -207,15 +264,14 @@ def generate_steps(
             return
 
 
-def _next_token(target: Target, cache: list, token: mx.array, params: SamplingParams, key) -> mx.array:
-    """Run one token through the target and pick the next one, lazily (nothing is evaluated here)."""
+def _next_token(target: TargetModel, cache, token: Array, params: SamplingParams, key) -> Array:
+    """Run one token through the target and pick the next one, lazily where the library is lazy."""
     hidden, _ = target.forward(token, cache, capture=False)
-    logits = target.head(hidden[-1])
-    choice = mx.argmax(logits, axis=-1) if params.greedy else mx.random.categorical(mx.log(probabilities(logits, params)), key=key)
-    return choice.reshape(1).astype(mx.uint32)
+    return pick(target, target.head(hidden[-1:]), params, key)[0]
 
 
-def _plain_steps(target, state, owner, anchor: int, params, key, budget: int, stop: set) -> Iterator[Step]:
+def _plain_steps(target: TargetModel, state: DecodeState, owner, anchor: int, params, key, budget: int,
+                 stop: set) -> Iterator[Step]:
     """Plain decoding, pipelined as mlx-lm does it: the forward for token i + 1 is queued
     before token i is read back, so Python overhead overlaps the computation.
 
@@ -227,17 +283,17 @@ def _plain_steps(target, state, owner, anchor: int, params, key, budget: int, st
     """
     cache = state.cache
     tic = time.perf_counter()
-    key, sub = mx.random.split(key)
-    nxt = _next_token(target, cache, mx.array([anchor], dtype=mx.uint32), params, sub)
+    key, sub = target.split(key, 1)
+    nxt = _next_token(target, cache, target.tokens([anchor]), params, sub)
     state.processed.append(anchor)
-    mx.async_eval(nxt)
+    target.launch(nxt)
     try:
         for i in range(budget):
             ahead = None
             if i + 1 < budget:
-                key, sub = mx.random.split(key)
+                key, sub = target.split(key, 1)
                 ahead = _next_token(target, cache, nxt, params, sub)
-                mx.async_eval(ahead)
+                target.launch(ahead)
             token = int(nxt.item())
             if ahead is not None:
                 state.ahead = 1  # `token` is in the cache, not yet committed to `processed`
@@ -253,6 +309,6 @@ def _plain_steps(target, state, owner, anchor: int, params, key, budget: int, st
             nxt = ahead
     finally:
         if state.owner is owner and state.ahead:  # the forward of the last committed token ran ahead: undo it
-            mx.eval(nxt if nxt is not None else [])
-            trim_cache(cache, state.ahead)
+            target.sync(nxt)
+            target.trim(cache, state.ahead)
             state.ahead = 0

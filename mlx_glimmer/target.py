@@ -16,8 +16,10 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from .cache import make_rollback_cache
+from .cache import make_rollback_cache, trim_cache
+from . import sampling as mlx_sampling
 
 
 class FeatureRecorder:
@@ -81,26 +83,29 @@ def capture_layers(model: nn.Module, layer_ids: tuple[int, ...]) -> FeatureRecor
     return recorder
 
 
-def make_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
-    """hidden states after the final norm -> logits, exactly as `model.__call__` does it."""
-    args = getattr(model, "args", None)
-    lm_head = model.get("lm_head") if isinstance(model, dict) else None
-    if lm_head is not None:
-        project = lm_head
-    else:
-        project = model.model.embed_tokens.as_linear
-    multiplier = getattr(args, "output_multiplier", None)
-    cap = getattr(args, "final_logit_softcapping", None)
+def output_head(project: Callable, multiplier: float | None, cap: float | None, tanh: Callable) -> Callable:
+    """The output head on any array library: `project`, times `output_multiplier`, then the tanh soft-cap
+    (Muse: `tanh(lm_head(h) * multiplier / cap) * cap`); either factor may be absent."""
 
-    def head(h: mx.array) -> mx.array:
+    def head(h):
         out = project(h)
         if multiplier is not None:
             out = out * multiplier
         if cap:
-            out = mx.tanh(out / cap) * cap
+            out = tanh(out / cap) * cap
         return out
 
     return head
+
+
+def make_head(model: nn.Module, project: Callable | None = None) -> Callable[[mx.array], mx.array]:
+    """hidden states after the final norm -> logits, exactly as `model.__call__` does it."""
+    if project is None:
+        lm_head = model.get("lm_head") if isinstance(model, dict) else None
+        project = lm_head if lm_head is not None else model.model.embed_tokens.as_linear
+    args = getattr(model, "args", None)
+    return output_head(project, getattr(args, "output_multiplier", None),
+                       getattr(args, "final_logit_softcapping", None), mx.tanh)
 
 
 def head_weight(target: "Target") -> mx.array:
@@ -114,12 +119,14 @@ def head_weight(target: "Target") -> mx.array:
 
 @dataclass
 class Target:
-    """An mlx-lm model with feature capture, a split head and rollback-safe caches."""
+    """An mlx-lm model with feature capture, a split head and rollback-safe caches:
+    the MLX side of `speculative.TargetModel`."""
 
     model: nn.Module
     config: dict
     recorder: FeatureRecorder = field(init=False)
     head: Callable[[mx.array], mx.array] = field(init=False)
+    sampling = mlx_sampling
 
     def __post_init__(self):
         self.recorder = FeatureRecorder(())
@@ -152,8 +159,45 @@ class Target:
         """Raw rows of the token embedding table (no model-specific scaling or norm)."""
         return self.model.model.embed_tokens(ids)
 
+    def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The output head over the vocabulary rows `ids` only (a distilled drafter's draft vocabulary)."""
+        rows = head_weight(self)[ids]
+        return make_head(self.model, lambda h: h @ rows.T)
+
     def make_cache(self, reserve: int) -> list:
         return make_rollback_cache(self.model, reserve)
+
+    def can_trim(self, cache: list, n: int) -> bool:
+        return all(c.can_trim(n) if hasattr(c, "can_trim") else c.is_trimmable() for c in cache)
+
+    def trim(self, cache: list, n: int) -> None:
+        trim_cache(cache, n)
+
+    def tokens(self, ids) -> mx.array:
+        return ids.astype(mx.uint32) if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.uint32)
+
+    def new_key(self, seed: int) -> mx.array:
+        return mx.random.key(seed)
+
+    def split(self, key: mx.array, n: int) -> tuple:
+        return tuple(mx.random.split(key, n + 1))
+
+    def launch(self, array: mx.array) -> None:
+        mx.async_eval(array)
+
+    def sync(self, *arrays, cache: list | None = None) -> None:
+        mx.eval([c.state for c in cache or []], [a for a in arrays if a is not None])
+
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
+    def peak_memory_gb(self) -> float:
+        return mx.get_peak_memory() / 1e9
+
+    def last_logits(self, tokens: list[int]) -> np.ndarray:
+        """float32 logits [V] after one full forward over `tokens` from an empty cache (for reports)."""
+        hidden, _ = self.forward(self.tokens(tokens), self.make_cache(reserve=16), capture=False)
+        return np.array(self.head(hidden[-1:]).astype(mx.float32))[0]
 
     def forward(self, tokens: mx.array, cache: list, capture: bool) -> tuple[mx.array, mx.array | None]:
         """Run `tokens` (shape [L]) through the decoder; return final hidden states [L, H] and features."""

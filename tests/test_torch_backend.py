@@ -17,7 +17,7 @@ from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
 from mlx_glimmer.torch_backend.parity import ParityReport, PromptResult, explain
 from mlx_glimmer.torch_backend.sampling import accept_sampled, probabilities
-from mlx_glimmer.torch_backend.speculative import generate_steps
+from mlx_glimmer.speculative import generate_steps  # the one loop, on either backend
 from mlx_glimmer.torch_backend.weights import transformers_name
 from oracle_drafter import OracleDrafter
 
@@ -91,6 +91,35 @@ def test_torch_speculative_is_lossless_far_past_the_sliding_window(muse_pair, to
                                 max_tokens=N_TOKENS))
     assert spec == plain and tokens_of(steps) == plain
     assert max(lengths_of(steps)) == 8 and np.mean(lengths_of(steps)) > 5
+
+
+def test_every_drafter_satisfies_the_drafter_protocol(muse_pair, torch_pairs):
+    from mlx_glimmer.draft_model import DraftModelDrafter
+    from mlx_glimmer.prompt_lookup import PromptLookupDrafter
+    from mlx_glimmer.speculative import Drafter
+
+    drafters = [muse_pair.drafter, torch_pairs["muse"].drafter, PromptLookupDrafter(),
+                DraftModelDrafter(muse_pair.target.model)]
+    assert all(isinstance(d, Drafter) for d in drafters)
+
+
+def test_torch_keeps_a_decode_state_across_turns(torch_pairs):
+    pair = torch_pairs["muse"]
+    state = mlx_glimmer.DecodeState()
+    first = mlx_glimmer.generate(pair, PROMPT, max_tokens=20, block_size=4, state=state)
+    turn2 = PROMPT + first.token_ids + list(b" more")
+    second = mlx_glimmer.generate(pair, turn2, max_tokens=20, block_size=4, state=state)
+    assert 0 < second.stats.prefill_tokens < second.stats.prompt_tokens
+    assert second.token_ids == mlx_glimmer.generate(pair, turn2, max_tokens=20, block_size=4).token_ids
+    # Plain decoding's run-ahead forward is undone when a stream is closed early.
+    stream = mlx_glimmer.stream_generate(pair, turn2, max_tokens=20, speculative=False, state=state)
+    answer = [t for _, chunk in zip(range(5), stream) for t in chunk.token_ids]
+    assert state.ahead == 1
+    stream.close()
+    assert state.ahead == 0 and state.cache.get_seq_length() == len(state.processed)
+    turn3 = turn2 + answer + list(b" go")
+    third = mlx_glimmer.generate(pair, turn3, max_tokens=12, speculative=False, state=state)
+    assert third.token_ids == mlx_glimmer.generate(pair, turn3, max_tokens=12, speculative=False).token_ids
 
 
 def test_transformers_own_dflash_assisted_generation_agrees_greedy(torch_pairs):

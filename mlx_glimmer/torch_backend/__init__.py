@@ -24,22 +24,23 @@ it cannot do what the MLX backend does with the same pair:
 - always a full `block_size` block, no `--block-size`, no per-round
   acceptance lengths or target-forward counts for `GenerationStats`.
 
-So `speculative.py` here ports `mlx_glimmer.speculative.generate_steps` line
-for line: the same drafter protocol, `Step`s, exact-match greedy acceptance and
-rejection sampling with identical filters (`sampling.py`), and KV rollback with
-transformers' own `DynamicCache.crop`. Rollback holds past the sliding window
-because the cache records past states (`activate_past_recording`) and is
-cropped after every target forward, so a sliding layer always holds its
-window before the rejected tokens (tested over 220 tokens with window 8).
-Greedy runs emit the same tokens and the same acceptance lengths as MLX on
-the same weights, up to floating-point ties (see `parity.py`).
+So torch runs `mlx_glimmer.speculative.generate_steps` itself: the loop is
+written once, and `TorchTarget` / `TorchDFlashDrafter` supply its torch side
+(forward with feature capture, head, cache, sampling and acceptance in
+`sampling.py` with identical filters). KV rollback uses transformers' own
+`DynamicCache.crop`; it holds past the sliding window because the cache
+records past states (`activate_past_recording`) until the next forward, so a
+sliding layer always holds its window before the rejected tokens (tested over
+220 tokens with window 8). Greedy runs emit the same tokens and the same
+acceptance lengths as MLX on the same weights, up to floating-point ties (see
+`parity.py`).
 """
 
 _API = {
-    "TorchPair": "loading",
-    "load_torch": "loading",
-    "generate": "generate",
-    "stream_generate": "generate",
+    "TorchPair": ".loading",
+    "load_torch": ".loading",
+    "generate": "..generate",  # the one API: any pair
+    "stream_generate": "..generate",
 }
 
 __all__ = list(_API)
@@ -50,5 +51,5 @@ def __getattr__(name):
     if name in _API:
         from importlib import import_module
 
-        return getattr(import_module(f".{_API[name]}", __name__), name)
+        return getattr(import_module(_API[name], __name__), name)
     raise AttributeError(name)

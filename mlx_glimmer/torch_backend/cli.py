@@ -45,27 +45,18 @@ def open_torch_pair(bundle: str | None, drafter: str | None = None, *, use_draft
     return load_torch(bundle, drafter=drafter, use_drafter=use_drafter, device=device, dtype=dtype)
 
 
-def open_backend(args):
-    """(pair, stream_generate) for `generate`, on the backend its flags ask for."""
+def open_backend(args, open_pair):
+    """The pair for `generate`, on the backend its flags ask for (`open_pair` opens an MLX pair)."""
     if getattr(args, "backend", "mlx") == "torch":
         if getattr(args, "prompt_lookup", False) or getattr(args, "draft_k", None) is not None:
             raise GlimmerError("--backend torch drafts with DFlash drafters only (no --prompt-lookup / --draft-k)")
-        pair = open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
+        return open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
                                dtype=args.torch_dtype)
-        from .generate import stream_generate
-
-        return pair, stream_generate
-    from ..cli import open_pair
-    from ..generate import stream_generate
-
-    pair = open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,
+    return open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,
                      draft_k=getattr(args, "draft_k", None), prompt_lookup=getattr(args, "prompt_lookup", False))
-    return pair, stream_generate
 
 
-def add_parity_parser(sub) -> None:
-    from ..cli import positive_int
-
+def add_parity_parser(sub, positive_int) -> None:
     p = sub.add_parser(
         "parity",
         help="check that MLX and torch decode a pair to the same tokens",
@@ -90,9 +81,8 @@ def add_parity_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the whole report (token ids too) as JSON")
 
 
-def cmd_parity(args) -> int:
+def cmd_parity(args, open_pair) -> int:
     _require_torch()
-    from ..cli import open_pair
     from .parity import format_report, read_prompts, run_parity
 
     num_prompts = args.num_prompts or (8 if args.full else 3)

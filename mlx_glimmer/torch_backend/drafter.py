@@ -1,35 +1,27 @@
-"""transformers' `MuseGlimmerAssistantModel` behind our drafter protocol (see `mlx_glimmer.speculative`).
+"""transformers' `MuseGlimmerAssistantModel` as a `Drafter` (see `mlx_glimmer.speculative`).
 
 Each `propose` runs the assistant once on [new context features ; block], with
 transformers' `DFlashCache` protocol (the one its DFlash candidate generator
 uses): tell the cache how many context positions come in, crop the previous
 block's K/V, pass absolute position ids. The block may be shorter than
-`block_size` (the loop asks for fewer at the end). Draft logits come from the
-target's head, or from the rows of a distilled drafter's `draft_vocab`.
+`block_size` (the loop asks for fewer at the end). Drafting from the block's
+logits (`draft_logits`, `propose`) is `DFlashDrafter`'s, on torch arrays.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..drafter import DrafterConfig
-from .sampling import probabilities, sample
+from ..drafter import DFlashDrafter, DrafterConfig
 from .target import TorchTarget, cache_keyword
 
 
-class TorchDFlashDrafter:
+class TorchDFlashDrafter(DFlashDrafter):
     kind = "dflash"
 
     def __init__(self, model, config: DrafterConfig, target: TorchTarget, draft_vocab: torch.Tensor | None = None):
-        self.model = model.eval().requires_grad_(False)
-        self.config = config
-        self.target = target
-        self.target_layer_ids = tuple(config.target_layer_ids)
-        self.block_size = int(config.block_size)
-        self.mask_token_id = int(config.mask_token_id)
-        self.draft_vocab = draft_vocab
+        self._bind(model.eval().requires_grad_(False), config, target, draft_vocab)
         self.cache_kw = cache_keyword(model.forward)
-        self._draft_head = None
         self.reset()
 
     def reset(self) -> None:
@@ -51,7 +43,7 @@ class TorchDFlashDrafter:
         self._pending_len += features.shape[0]
 
     def rollback(self, n: int) -> bool:
-        """Only not-yet-projected positions can be forgotten (the torch loop never needs more)."""
+        """Only not-yet-projected positions can be forgotten."""
         if n > self._pending_len:
             return False
         if n:
@@ -60,6 +52,7 @@ class TorchDFlashDrafter:
             self._pending_len -= n
         return True
 
+    @torch.inference_mode()
     def block_hidden(self, anchor: int, count: int) -> torch.Tensor:
         """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""
         feats = torch.cat(self._pending) if self._pending else None
@@ -80,23 +73,3 @@ class TorchDFlashDrafter:
         self._pending, self._pending_len = [], 0
         self._block = count + 1
         return out.last_hidden_state[0]
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.draft_vocab is None:
-            return self.target.head(hidden)
-        if self._draft_head is None:
-            self._draft_head = self.target.lm_head.weight[self.draft_vocab]
-        return self.target.finish_logits(hidden @ self._draft_head.T)
-
-    def propose(self, anchor: int, count: int, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.draft_logits(self.block_hidden(anchor, count)[1:])
-        if params.greedy:
-            choice = torch.argmax(logits, dim=-1)
-            return (self.draft_vocab[choice] if self.draft_vocab is not None else choice), None
-        probs = probabilities(logits, params)
-        choice = sample(probs, generator)
-        if self.draft_vocab is None:
-            return choice, probs
-        full = probs.new_zeros((count, self.target.vocab_size))
-        full[:, self.draft_vocab] = probs
-        return self.draft_vocab[choice], full

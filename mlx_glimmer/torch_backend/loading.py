@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..drafter import DFlashModel, DrafterConfig, read_drafter_config
+from ..drafter import DFlashModel, DrafterConfig, read_weights
 from ..errors import GlimmerError
-from ..loading import _check_model_dir, _check_safetensors, drafter_kind, read_bundle_manifest, validate_pair
+from ..loading import _check_model_dir, checked_dflash_config, drafter_kind, open_tokenizer, pair_paths, read_target_config
+from ..speculative import Drafter
 from . import weights as W
 from .device import pick_device, pick_dtype
 from .drafter import TorchDFlashDrafter
@@ -37,8 +39,8 @@ MLX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 @dataclass
 class TorchPair:
     target: TorchTarget
-    drafter: TorchDFlashDrafter | None
-    tokenizer: object  # mlx_lm TokenizerWrapper
+    drafter: Drafter | None
+    tokenizer: TokenizerWrapper
     target_path: Path
     drafter_path: Path | None
     device: torch.device
@@ -102,7 +104,7 @@ def load_target_from_mlx(path: Path, config: dict, dtype: torch.dtype, device: t
     cls = _model_class(model_type)
     with W.empty_parameters():
         model = cls.from_config(hf_config) if cls.__name__.startswith("Auto") else cls._from_config(hf_config)
-    raw = W.dequantize(W.read_mlx_weights(path), config.get("quantization"), path)
+    raw = W.dequantize(read_weights(path, "target"), config.get("quantization"), path)
     state = {W.transformers_name(k, model_type): W.to_torch(v, dtype) for k, v in raw.items()}
     del raw
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
@@ -148,12 +150,9 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
     _check_model_dir(path, "drafter")
     if drafter_kind(path) != "dflash":
         raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is a causal LM)")
-    cfg = read_drafter_config(path)
-    validate_pair(target, cfg, path)
-    for f in path.glob("model*.safetensors"):
-        _check_safetensors(f)
+    cfg = checked_dflash_config(path, target)
     quant = _read_json(path / "config.json").get("quantization")
-    raw = W.dequantize(DFlashModel.sanitize(W.read_mlx_weights(path)), quant, path)
+    raw = W.dequantize(DFlashModel.sanitize(read_weights(path, "drafter")), quant, path)
     vocab = raw.pop("draft_vocab", None)
     with W.empty_parameters():
         model = MuseGlimmerAssistantModel._from_config(assistant_config(cfg))
@@ -176,31 +175,10 @@ def load_torch(
     `dtype="auto"`: what MLX computes the target in (the bundle's dtype; float32
     for a float32 bundle), or the checkpoint's dtype for a transformers directory.
     """
-    from mlx_lm.utils import load_tokenizer
-
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise GlimmerError(f"{path}: no such bundle or directory")
-        if (path / "glimmer.json").is_file():
-            manifest = read_bundle_manifest(path)
-            target_path = path / manifest["target"]
-            if drafter is None and manifest.get("drafter"):
-                drafter = path / manifest["drafter"]
-        else:
-            target_path = path
-    elif target is not None:
-        target_path = Path(target)
-    else:
-        raise GlimmerError("no model given: pass a bundle path or target=DIR")
-    _check_model_dir(target_path, "target")
-    config = _read_json(target_path / "config.json")
-    if "model_type" not in config:
-        raise GlimmerError(f"{target_path / 'config.json'}: no model_type field")
-    for f in target_path.glob("*.safetensors"):
-        _check_safetensors(f)
+    paths = pair_paths(path, target, drafter, use_drafter)
+    config = read_target_config(paths.target)
     dev = device if isinstance(device, torch.device) else pick_device(device)
-    mlx_layout = is_mlx_layout(config) or (path is not None and (path / "glimmer.json").is_file())
+    mlx_layout = is_mlx_layout(config) or paths.bundle
     if isinstance(dtype, torch.dtype):
         dt = dtype
     elif mlx_layout:
@@ -209,9 +187,7 @@ def load_torch(
         text = config.get("text_config") or config
         dt = pick_dtype(dtype, MLX_DTYPES.get(str(text.get("dtype") or config.get("dtype")), torch.float32))
     load = load_target_from_mlx if mlx_layout else load_target_from_transformers
-    tgt = load(target_path, config, dt, dev)
-    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
-    tokenizer = load_tokenizer(target_path, eos_token_ids=eos)
-    drafter_path = Path(drafter) if (drafter is not None and use_drafter) else None
-    d = load_torch_drafter(drafter_path, tgt, dt) if drafter_path is not None else None
-    return TorchPair(tgt, d, tokenizer, target_path, drafter_path, dev, dt, "bundle" if mlx_layout else "transformers")
+    tgt = load(paths.target, config, dt, dev)
+    d = load_torch_drafter(paths.drafter, tgt, dt) if paths.drafter is not None else None
+    return TorchPair(tgt, d, open_tokenizer(paths.target, config), paths.target, paths.drafter, dev, dt,
+                     "bundle" if mlx_layout else "transformers")

@@ -140,49 +140,16 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def mlx_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
-    """Greedy tokens (a stop token included) and the number of target forwards after prefill."""
+def run_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
+    """Greedy tokens (a stop token included) and the number of target forwards after prefill, on either backend."""
     from ..speculative import generate_steps
 
     drafter = pair.drafter if speculative else None
-    out = []
-    steps = generate_steps(
+    steps = list(generate_steps(
         pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
         max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
-    )
-    rounds = -1
-    for step in steps:
-        out.extend(step.tokens)
-        rounds += 1
-    return out, rounds
-
-
-def torch_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
-    from .speculative import generate_steps
-
-    drafter = pair.drafter if speculative else None
-    out = []
-    steps = generate_steps(
-        pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
-        max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
-    )
-    rounds = -1
-    for step in steps:
-        out.extend(step.tokens)
-        rounds += 1
-    return out, rounds
-
-
-def mlx_last_logits(pair, ids) -> np.ndarray:
-    import mlx.core as mx
-
-    target = pair.target
-    hidden, _ = target.forward(mx.array(ids, dtype=mx.uint32), target.make_cache(reserve=16), capture=False)
-    return np.array(target.head(hidden[-1:]).astype(mx.float32))[0]
-
-
-def torch_last_logits(pair, ids) -> np.ndarray:
-    return pair.target.logits(ids)[-1].cpu().numpy()
+    ))
+    return [t for step in steps for t in step.tokens], len(steps) - 1
 
 
 def mlx_device() -> str:
@@ -259,7 +226,7 @@ def run_parity(mlx_pair, torch_pair, prompts, *, max_tokens: int = 128, block_si
 
     speculative = mlx_pair.drafter is not None and torch_pair.drafter is not None
     dtypes = {"mlx": mlx_dtype(mlx_pair), "torch": str(torch_pair.dtype).removeprefix("torch.")}
-    backends = {"mlx": lambda ids: mlx_last_logits(mlx_pair, ids), "torch": lambda ids: torch_last_logits(torch_pair, ids)}
+    backends = {"mlx": mlx_pair.target.last_logits, "torch": torch_pair.target.last_logits}
     detok = mlx_pair.tokenizer.decode
     results = []
     for index, prompt in enumerate(prompts, 1):
@@ -270,9 +237,8 @@ def run_parity(mlx_pair, torch_pair, prompts, *, max_tokens: int = 128, block_si
             backend, mode = name.split()
             if mode == "spec" and not speculative:
                 continue
-            run = mlx_tokens if backend == "mlx" else torch_tokens
             tic = time.perf_counter()
-            result.tokens[name], result.rounds[name] = run(
+            result.tokens[name], result.rounds[name] = run_tokens(
                 mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens, block_size
             )
             result.seconds[name] = time.perf_counter() - tic

@@ -10,7 +10,7 @@ import torch
 
 from ..sampling import SamplingParams
 
-__all__ = ["SamplingParams", "probabilities", "sample", "accept_greedy", "accept_sampled"]
+__all__ = ["SamplingParams", "probabilities", "argmax", "sample", "accept_greedy", "accept_sampled"]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -30,10 +30,21 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of `probs` ([..., V] -> [...])."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def spread(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Distributions over `ids` [n, len(ids)] as distributions over the whole vocabulary [n, vocab_size]."""
+    full = probs.new_zeros((probs.shape[0], vocab_size))
+    full[:, ids] = probs
+    return full
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:

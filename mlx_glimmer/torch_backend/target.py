@@ -1,26 +1,30 @@
-"""The target as the torch loop sees it: a transformers causal LM with feature capture, split head, croppable cache.
+"""The target on torch: a transformers causal LM with feature capture, split head, croppable cache.
 
-Same contract as `mlx_glimmer.target.Target`: `forward` runs the decoder stack
-(the text model inside `MuseGlimmerForConditionalGeneration`, or the `.model` of
-any `AutoModelForCausalLM`) and returns the final hidden states and the outputs
-of the captured decoder layers; `head` is the output projection exactly as the
-model's own forward applies it (Muse: `tanh(lm_head(h) * multiplier / cap) * cap`).
+The torch side of `mlx_glimmer.speculative.TargetModel`: `forward` runs the
+decoder stack (the text model inside `MuseGlimmerForConditionalGeneration`, or
+the `.model` of any `AutoModelForCausalLM`) and returns the final hidden states
+and the outputs of the captured decoder layers; `head` is the output
+projection exactly as the model's own forward applies it.
 
-The KV cache is transformers' `DynamicCache` with past recording on, and the
-loop calls `trim` after every forward. A sliding-window layer
-(`DynamicSlidingWindowLayer`) then keeps `window - 1` entries plus the last
-forward's, so `crop(-n)` restores the window before the rejected tokens at any
-length, past the window too; without `activate_past_recording` it refuses to
-crop once the window is full. `trim(cache, 0)` is not a no-op: it is what
-shrinks a sliding layer back to `window - 1` entries.
+The KV cache is transformers' `DynamicCache` with past recording on: a
+sliding-window layer (`DynamicSlidingWindowLayer`) keeps every entry written
+since its last `crop`, and `crop(-n)` drops the newest n and shrinks the layer
+back to `window - 1` entries, so it restores the window before rejected tokens
+at any length, past the window too. `forward` crops by 0 first (the shrink
+alone), so what one forward wrote stays undoable until the next one.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..target import output_head
+from . import sampling as torch_sampling
+from .device import peak_memory_gb, reset_peak_memory, synchronize
 
 
 def cache_keyword(forward) -> str:
@@ -29,6 +33,8 @@ def cache_keyword(forward) -> str:
 
 
 class TorchTarget:
+    sampling = torch_sampling
+
     def __init__(self, model, device: torch.device):
         self.model = model.eval().requires_grad_(False)
         self.device = device
@@ -39,14 +45,11 @@ class TorchTarget:
         self.embed_tokens = self.decoder.get_input_embeddings()
         self.multiplier = getattr(self.config, "output_multiplier", None)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.head = output_head(self.lm_head, self.multiplier, self.softcap, torch.tanh)
         self.cache_kw = cache_keyword(self.decoder.forward)
         self.layer_ids: tuple[int, ...] = ()
         self._hooks = []
         self._recording: dict[int, torch.Tensor] | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
 
     @property
     def hidden_size(self) -> int:
@@ -74,22 +77,37 @@ class TorchTarget:
 
         self._hooks = [self.decoder.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
 
-    def make_cache(self):
+    def make_cache(self, reserve: int = 0):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
         cache.activate_past_recording()
         return cache
 
-    def trim(self, cache, n: int) -> None:
-        cache.crop(-n)
+    def can_trim(self, cache, n: int) -> bool:
+        """Like `WindowedKVCache.can_trim`: a sliding layer that dropped entries must keep `window - 1`."""
+        for layer in cache.layers:
+            stored = layer.keys.shape[-2] if layer.is_initialized else 0
+            evicted = getattr(layer, "is_sliding", False) and layer.cumulative_length > stored
+            if n > stored or (evicted and stored - n < layer.sliding_window - 1):
+                return False
+        return True
 
+    def trim(self, cache, n: int) -> None:
+        if n > 0:
+            cache.crop(-n)
+
+    def tokens(self, ids) -> torch.Tensor:
+        return torch.as_tensor(ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
     def forward(self, tokens, cache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`tokens` [L] -> final hidden states [L, H] and captured features [L, k*H] (or None)."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)[None]
+        if cache.get_seq_length():
+            cache.crop(0)
         self._recording = {} if capture and self.layer_ids else None
         try:
-            out = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache})
+            out = self.decoder(input_ids=self.tokens(tokens)[None], use_cache=True, **{self.cache_kw: cache})
             feats = None
             if self._recording is not None:
                 feats = torch.cat([self._recording[i][0] for i in self.layer_ids], dim=-1)
@@ -97,22 +115,36 @@ class TorchTarget:
             self._recording = None
         return out.last_hidden_state[0], feats
 
-    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.multiplier is not None:
-            logits = logits * self.multiplier
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.finish_logits(self.lm_head(hidden))
+    def head_rows(self, ids: torch.Tensor):
+        """The output head over the vocabulary rows `ids` only (a distilled drafter's draft vocabulary)."""
+        rows = self.lm_head.weight[ids]
+        return output_head(lambda h: h @ rows.T, self.multiplier, self.softcap, torch.tanh)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw embedding rows (Muse's embedding RMS-norm is not applied: DFlash noise uses raw rows)."""
         return F.embedding(ids, self.embed_tokens.weight)
 
-    def logits(self, tokens) -> torch.Tensor:
-        """Logits [L, V] of one full forward over `tokens`, from an empty cache (for reports and tests)."""
+    def new_key(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def split(self, key: torch.Generator, n: int) -> tuple:
+        return (key,) * (n + 1)  # one generator, drawn from in turn
+
+    def launch(self, array) -> None:
+        pass  # torch queues device work by itself
+
+    def sync(self, *arrays, cache=None) -> None:
+        synchronize(self.device)
+
+    def reset_peak_memory(self) -> None:
+        synchronize(self.device)
+        reset_peak_memory(self.device)
+
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb(self.device)
+
+    def last_logits(self, tokens: list[int]) -> np.ndarray:
+        """float32 logits [V] after one full forward over `tokens` from an empty cache (for reports)."""
         with torch.inference_mode():
             hidden, _ = self.forward(tokens, self.make_cache(), capture=False)
-            return self.head(hidden).float()
+            return self.head(hidden[-1:]).float()[0].cpu().numpy()

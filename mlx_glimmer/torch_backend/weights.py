@@ -27,19 +27,6 @@ TINY_VISION = dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_
 VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.perception")
 
 
-def read_mlx_weights(path: Path) -> dict[str, mx.array]:
-    files = sorted(Path(path).glob("model*.safetensors"))
-    if not files:
-        raise GlimmerError(f"{path}: no model*.safetensors weights")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # a truncated or foreign file
-            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
-    return weights
-
-
 def _spec(quant: dict, module: str) -> dict:
     override = quant.get(module)
     spec = {"group_size": quant.get("group_size"), "bits": quant.get("bits"), "mode": quant.get("mode", "affine")}
