@@ -158,7 +158,7 @@ async def completion(request: Request, chat: bool):
 
 
 def retry_after(server: ServerState) -> int:
-    m = server.worker.metrics
+    m = server.worker.metrics.snapshot()
     done = sum(m.requests.values()) or 1
     per_request = (m.decode_s + m.prefill_s) / done
     return max(1, min(60, math.ceil(per_request * (server.worker.queue_depth + 1))))
@@ -215,8 +215,8 @@ async def stream_events(job: Job, events: asyncio.Queue, shape: ResponseShape, i
 
 
 def metrics_text(server: ServerState) -> str:
-    w, m = server.worker, server.worker.metrics
-    cache = w.prompt_cache
+    w, m = server.worker, server.worker.metrics.snapshot()
+    cache = m.prefix_cache
     lines = []
 
     def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]] | float):
@@ -246,14 +246,13 @@ def metrics_text(server: ServerState) -> str:
            [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)])
     metric("rounds_by_committed_tokens_total", "counter", "verify rounds by tokens committed (acceptance histogram)",
            [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)])
-    metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.stats.hits if cache else 0)
-    metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.stats.misses if cache else 0)
-    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached",
-           cache.stats.forks if cache else 0)
-    metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.stats.evictions if cache else 0)
-    metric("prefix_cache_entries", "gauge", "conversations cached", len(cache) if cache else 0)
-    metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", cache.nbytes if cache else 0)
-    metric("prefix_cache_max_bytes", "gauge", "prefix cache bound", cache.max_bytes if cache else 0)
+    metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
+    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks)
+    metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
+    metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
+    metric("prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)
+    metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", m.prefix_cache_bytes)
+    metric("prefix_cache_max_bytes", "gauge", "prefix cache bound", w.prompt_cache_bytes)
     metric("active_memory_bytes", "gauge", "MLX active memory (sampled when idle)", m.active_memory_bytes)
     metric("cache_memory_bytes", "gauge", "MLX buffer cache (sampled when idle)", m.cache_memory_bytes)
     metric("peak_memory_bytes", "gauge", "MLX peak memory of any request", m.peak_memory_bytes)
@@ -325,6 +324,9 @@ def serve(load_pair, *, host: str = "127.0.0.1", port: int = 8080, model_name: s
     import uvicorn
 
     sock = bind(host, port)  # before loading: a taken port fails fast
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"mlx-glimmer serve: warning: listening on {host}, beyond this machine, with no authentication",
+              file=sys.stderr)
     worker = GenerationWorker(load_pair, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes)
     pair = worker.start()
     server = ServerState(worker, model_name or pair.name, defaults or Defaults(),

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .generate import GenerationStats
 
@@ -37,19 +37,27 @@ def error_body(message: str, type: str = "invalid_request_error", code: str | No
 # ---- request bodies -------------------------------------------------------------------------------
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[dict] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_only(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content is supported (part {i} is {kind!r})")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
@@ -99,6 +107,9 @@ class CompletionRequest(CommonFields):
     best_of: int | None = None
 
 
+UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]", "list[dict]", "dict", "none", "function-after[text_only(), str]"}
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -106,8 +117,10 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        # Union members show up in `loc` by type name ("stop.str"); the client's field is what counts.
+        param = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in UNION_TAGS)) or None
+        message = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
 
 def refuse_unsupported(req: CommonFields) -> None:

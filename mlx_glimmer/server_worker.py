@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from . import stream_generate
 from .generate import GenerationStats
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, PromptCacheStats
 
 
 @dataclass
@@ -108,7 +108,7 @@ class StopMatcher:
 
 @dataclass
 class ServerMetrics:
-    """Running totals for `/metrics`; written by the worker thread only."""
+    """Running totals for `/metrics`: written by the worker thread under `lock`, read through `snapshot()`."""
 
     requests: Counter = field(default_factory=Counter)  # by finish reason ("stop", "length", "cancelled", "error")
     rejected: int = 0  # answered 503 because the queue was full
@@ -127,8 +127,33 @@ class ServerMetrics:
     active_memory_bytes: int = 0
     peak_memory_bytes: int = 0
     cache_memory_bytes: int = 0
+    prefix_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> "ServerMetrics":
+        """A consistent copy for the HTTP side to read."""
+        with self.lock:
+            return replace(self, requests=Counter(self.requests), block_sizes=Counter(self.block_sizes),
+                           acceptance=Counter(self.acceptance), prefix_cache=replace(self.prefix_cache),
+                           lock=threading.Lock())
+
+    def record_cache(self, cache: PromptCache) -> None:
+        with self.lock:
+            self.prefix_cache = replace(cache.stats)
+            self.prefix_cache_entries = len(cache)
+            self.prefix_cache_bytes = cache.nbytes
+
+    def count(self, finish_reason: str) -> None:
+        with self.lock:
+            self.requests[finish_reason] += 1
 
     def record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
+        with self.lock:
+            self._record(stats, finish_reason, queue_wait_s)
+
+    def _record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
         self.requests[finish_reason] += 1
         self.prompt_tokens += stats.prompt_tokens
         self.prefill_tokens += stats.prefill_tokens
@@ -187,7 +212,8 @@ class GenerationWorker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            self.metrics.rejected += 1
+            with self.metrics.lock:
+                self.metrics.rejected += 1
             raise QueueFull from None
 
     def close(self, timeout: float | None = None) -> None:
@@ -210,7 +236,7 @@ class GenerationWorker:
         self._ready.set()
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():
-                self.metrics.requests["cancelled"] += 1
+                self.metrics.count("cancelled")
                 continue
             self.busy = True
             try:
@@ -222,16 +248,17 @@ class GenerationWorker:
                 mx.clear_cache()  # give freed buffers back while idle, so memory does not creep up
 
     def _sample_memory(self) -> None:
-        m = self.metrics
-        m.active_memory_bytes = mx.get_active_memory()
-        m.cache_memory_bytes = mx.get_cache_memory()
+        with self.metrics.lock:
+            self.metrics.active_memory_bytes = mx.get_active_memory()
+            self.metrics.cache_memory_bytes = mx.get_cache_memory()
 
     def _generate(self, job: Job) -> None:
         event = answer(self.pair, self.prompt_cache, job)
         if isinstance(event, Finished):
             self.metrics.record(event.stats, event.finish_reason, event.queue_wait_s)
         else:
-            self.metrics.requests["error"] += 1
+            self.metrics.count("error")
+        self.metrics.record_cache(self.prompt_cache)
         job.emit(event)
 
 
