@@ -52,13 +52,6 @@ class TorchPair:
         return self.target_path.parent.name if self.target_path.name == "target" else self.target_path.name
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise GlimmerError(f"{path}: not valid JSON ({e})") from None
-
-
 def is_mlx_layout(config: dict) -> bool:
     """A bundle target / mlx-lm directory (flattened, maybe quantized) rather than a transformers checkpoint."""
     nested_muse = config.get("model_type") == "muse_glimmer" and isinstance(config.get("text_config"), dict)
@@ -151,7 +144,7 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
     if drafter_kind(path) != "dflash":
         raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is a causal LM)")
     cfg = checked_dflash_config(path, target)
-    quant = _read_json(path / "config.json").get("quantization")
+    quant = json.loads((path / "config.json").read_text()).get("quantization")  # valid: checked above
     raw = W.dequantize(DFlashModel.sanitize(read_weights(path, "drafter")), quant, path)
     vocab = raw.pop("draft_vocab", None)
     with W.empty_parameters():
