@@ -28,8 +28,20 @@ JSON_FIELDS = (
 
 
 class Parser(argparse.ArgumentParser):
+    # The dest of a nargs="*" positional that also takes words given after options
+    # (argparse fills it from the first run of positionals only).
+    trailing_words: str | None = None
+
     def error(self, message):
         raise GlimmerError(f"{self.prog.split()[-1]}: {message}")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if self.trailing_words and extras:
+            words = [e for e in extras if not e.startswith("-")]
+            setattr(namespace, self.trailing_words, list(getattr(namespace, self.trailing_words) or []) + words)
+            extras = [e for e in extras if e.startswith("-")]
+        return namespace, extras
 
 
 def positive_int(text: str) -> int:
@@ -126,6 +138,7 @@ def build_parser() -> Parser:
     c = sub.add_parser(
         "chat",
         help="chat in the terminal (Textual app)",
+        usage="mlx-glimmer chat [BUNDLE] [MESSAGE] [--resume [ID|last]] [--list] [--no-history] [options]",
         description=(
             "Chat in the terminal, with live speculative decoding statistics. /help inside lists the commands. "
             "Conversations are saved as they go in an SQLite file in $XDG_DATA_HOME/mlx-glimmer (default "
@@ -146,6 +159,7 @@ def build_parser() -> Parser:
         "--resume", nargs="?", const="last", default=None, metavar="ID|last",
         help="continue a saved conversation (default: the last one) with its settings; its cache is rebuilt",
     )
+    c.trailing_words = "words"  # mlx-glimmer chat ./bundle --temp 0.5 "hello"
     c.add_argument("--list", action="store_true", help="list the saved conversations and exit")
     c.add_argument("--no-history", action="store_true", help="neither read nor save conversations")
     c.add_argument("--system", default=None, help="system prompt")
@@ -156,6 +170,7 @@ def build_parser() -> Parser:
     )
     c.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
     add_sampling_flags(c)
+    next(a for a in c._actions if a.dest == "max_tokens").help = "most tokens per answer (default 1024)"
     # Defaults live in CHAT_SETTINGS, so a flag given next to --resume is told apart and overrides the stored value.
     c.set_defaults(**{dest: None for dest in CHAT_SETTINGS})
     return parser

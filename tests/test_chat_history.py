@@ -290,7 +290,7 @@ def test_chat_takes_a_first_message_a_bundle_or_both(started, tmp_path):
     bundle.mkdir()
     assert main(["chat", "What is MLX?"]) == 0
     assert main(["chat", str(bundle)]) == 0
-    assert main(["chat", str(bundle), "hello", "--temp", "0.5"]) == 0
+    assert main(["chat", str(bundle), "--temp", "0.5", "hello"]) == 0  # a message may follow the flags
     assert main(["chat", "hello", "--no-history"]) == 0
     (a, b, c, d) = started
     assert (a.first_message, a.source) == ("What is MLX?", "the demo pair")

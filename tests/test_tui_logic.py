@@ -214,3 +214,34 @@ def test_histogram_counts_rounds_by_committed_tokens():
 def test_sparkline_scales_to_the_block_and_keeps_the_newest_rounds():
     assert sparkline([4, 2, 0, 1], top=4, width=10, height=1) == ["█▄ ▂"]
     assert sparkline([1] * 5 + [4], top=4, width=3, height=2) == ["  █", "▄▄█"]
+
+
+# --- pacing of streamed updates --------------------------------------------------------------
+
+
+class FakeClocks:
+    def __init__(self):
+        self.cpu_s, self.wall_s = 0.0, 100.0
+
+    def spend(self, cpu: float, wall: float) -> None:
+        self.cpu_s += cpu
+        self.wall_s += wall
+
+
+def test_the_pacer_spaces_updates_so_drawing_takes_a_small_share_of_the_time():
+    from mlx_glimmer.tui.pacing import Pacer
+
+    clocks = FakeClocks()
+    pacer = Pacer(share=0.05, cpu=lambda: clocks.cpu_s, clock=lambda: clocks.wall_s)
+    pacer.start()
+    for _ in range(20):  # every update costs the UI thread 20 ms
+        clocks.spend(0.020, pacer.interval)
+        pacer.updated()
+    assert pacer.interval == pytest.approx(0.4, rel=0.01)  # 20 ms / 5 %
+    for _ in range(20):  # a cheap screen: as fast as allowed
+        clocks.spend(0.0005, pacer.interval)
+        pacer.updated()
+    assert pacer.interval == pytest.approx(1 / 30)
+    clocks.spend(1.0, 1.0)  # one very slow frame is capped
+    assert pacer.updated() == 0.5
+    assert pacer.due(clocks.wall_s - 0.6) and not pacer.due(clocks.wall_s - 0.1)

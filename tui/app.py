@@ -25,6 +25,7 @@ from textual.widgets import Footer, Header, Select, Static
 from mlx_glimmer import DecodeState, GenerationStats, GlimmerError
 
 from .chats import Choice, ConversationList
+from .pacing import Pacer
 from .commands import CommandError, help_text, is_command, parse_command, prompt_text
 from .session import Conversation, Settings, Turn, rebuild_state, run_turn, supports_reasoning
 from .stats import prefill_line, stats_rows
@@ -124,6 +125,11 @@ class ChatApp(App):
     #prompt { height: auto; min-height: 3; max-height: 10; border: round $primary; }
     #status { height: 1; background: $panel; color: $text; padding: 0 1; }
     """
+    # The UI thread and the MLX thread share the GIL: every update drawn is time the
+    # decoder waits. The pacer keeps the UI's share small (benchmarks/chat_stream_speed.py
+    # measures the app against `generate`); the stats panel updates twice a second.
+    STATS_INTERVAL = 0.5
+
     BINDINGS = [
         Binding("escape", "cancel", "cancel"),
         Binding("ctrl+c", "interrupt", "cancel", show=False, priority=True),
@@ -159,6 +165,10 @@ class ChatApp(App):
         self.unsaved: Done | None = None  # a turn the UI has not stored yet (saved on exit if the app quits first)
         self._processed: list[int] = []  # what the cache should hold for the open conversation
         self._stored_bundle: str | None = None  # the target a resumed conversation last ran on
+        self._stats_shown = 0.0  # when the stats panel was last updated while streaming
+        self.pacer = Pacer()
+        self._progress_posted = 0.0  # pacer clock time of the last Progress posted
+        self._progress_pending = False  # posted and not handled yet: the MLX thread does not pile more on
         self.pair = None
         self.state = DecodeState()  # touched only by jobs on the MLX thread, or while no job runs
         self.mlx = MLXThread()
@@ -211,7 +221,8 @@ class ChatApp(App):
                 messages,
                 state=self.state,
                 cancel=cancel,
-                on_progress=lambda text, stats: self.post_message(Progress(text, stats)),
+                on_progress=self._report,
+                progress_interval=0.0,  # paced in _report
                 **kwargs,
             )
         except Exception as e:
@@ -221,6 +232,15 @@ class ChatApp(App):
             done = Done(turn, list(self.state.processed), settings)
             self.unsaved = done
             self.post_message(Finished(done))
+
+    def _report(self, text: str, stats: GenerationStats) -> None:
+        """On the MLX thread: post progress when the pacer says the UI is ready for more (the final text
+        always arrives with `Finished`)."""
+        if self._progress_pending or not self.pacer.due(self._progress_posted):
+            return
+        self._progress_pending = True
+        self._progress_posted = self.pacer.clock()
+        self.post_message(Progress(text, stats))
 
     def _rebuild_job(self, processed: list[int], speculative: bool, block_size: int | None) -> None:
         tic = time.perf_counter()
@@ -272,9 +292,14 @@ class ChatApp(App):
         self.set_status()
 
     async def on_progress(self, message: Progress) -> None:
+        self._progress_pending = False
+        self.pacer.updated()
         if self.current is not None:
             await self.current.stream(message.text)
-            self.query_one(StatsPanel).show(message.stats)
+            now = time.monotonic()
+            if now - self._stats_shown >= self.STATS_INTERVAL:
+                self.query_one(StatsPanel).show(message.stats)
+                self._stats_shown = now
             self.scroll_log()
 
     async def on_finished(self, message: Finished) -> None:
@@ -325,6 +350,8 @@ class ChatApp(App):
         self.cancel_event = cancel = threading.Event()
         self.set_status("generating… (esc cancels)")
         settings = dataclasses.replace(self.settings)
+        self.pacer.start()
+        self._progress_pending, self._progress_posted = False, 0.0
         self.mlx.submit(lambda: self._turn_job(messages, kwargs, settings, cancel))
 
     async def run_command(self, line: str) -> None:
