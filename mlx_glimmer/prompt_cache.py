@@ -124,9 +124,15 @@ class PromptCache:
         return Conversation(DecodeState(), drafter)
 
     def fork(self, conv: Conversation) -> Conversation:
-        """A deep copy of a conversation's caches and drafter context; weights stay shared."""
+        """A deep copy of a conversation's caches and drafter context; models and weights stay shared.
+
+        Only the state's `cache` and `processed` and the drafter's own fields are copied: whatever else
+        the state refers to (its target, ...) and whatever the drafter shares with the prototype (its
+        model, the target, lazily built tables) are kept by reference.
+        """
         shared = vars(self.prototype) if self.prototype is not None and hasattr(self.prototype, "__dict__") else {}
         memo = {id(v): v for v in shared.values()}
+        memo.update({id(v): v for k, v in vars(conv.state).items() if k not in ("cache", "processed", "drafter")})
         twin = copy.deepcopy(conv, memo)
         twin.key = next(_ids)
         return twin

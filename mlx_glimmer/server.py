@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -104,7 +105,7 @@ def tokenize(server: ServerState, req) -> list[int]:
                 return encode_prompt(tokenizer, messages, kwargs)
             except GlimmerError as e:
                 raise APIError(400, str(e), param="messages") from None
-            except Exception as e:  # the chat template refused the conversation (jinja raise_exception)
+            except TemplateError as e:  # the chat template refused the conversation (raise_exception)
                 raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         prompt = req.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
@@ -336,8 +337,13 @@ def serve(load_pair, *, host: str = "127.0.0.1", port: int = 8080, model_name: s
     shown = f"[{host}]" if ":" in host else host
     print(f"mlx-glimmer serve: '{server.model_name}' ({'drafter ' + pair.drafter.kind if pair.drafter else 'no drafter'}, "
           f"context {server.max_context}) at http://{shown}:{actual}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            worker.cancel_all()  # open streams end after their current round, so shutdown does not wait on them
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     finally:
         worker.close(timeout=5)

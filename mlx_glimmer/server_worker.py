@@ -191,6 +191,7 @@ class GenerationWorker:
         self.pair = None
         self.prompt_cache: PromptCache | None = None
         self.busy = False
+        self.current: Job | None = None
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -216,7 +217,18 @@ class GenerationWorker:
                 self.metrics.rejected += 1
             raise QueueFull from None
 
+    def cancel_all(self) -> None:
+        """Cancel the running job (it ends after its current round) and every queued one."""
+        with self._queue.mutex:
+            queued = [job for job in self._queue.queue if job is not None]
+        for job in queued:
+            job.cancelled.set()
+        if (job := self.current) is not None:
+            job.cancelled.set()
+
     def close(self, timeout: float | None = None) -> None:
+        """Cancel all jobs, then stop the thread (waiting at most `timeout`)."""
+        self.cancel_all()
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -238,11 +250,11 @@ class GenerationWorker:
             if job.cancelled.is_set():
                 self.metrics.count("cancelled")
                 continue
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 self._generate(job)
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
             if self._queue.empty():
                 self._sample_memory()
                 mx.clear_cache()  # give freed buffers back while idle, so memory does not creep up

@@ -181,3 +181,16 @@ def test_stop_matcher_holds_back_what_could_start_a_stop_string(stops, pieces, o
         if hit:
             break
     assert got == out[: len(got)] and hit == stopped
+
+
+def test_a_fork_copies_caches_and_drafter_context_but_shares_models(muse_pair):
+    cache = PromptCache(muse_pair.drafter, 1 << 30)
+    conv = cache.new()
+    mlx_glimmer.generate(replace(muse_pair, drafter=conv.drafter), A, max_tokens=5, state=conv.state)
+    twin = cache.fork(conv)
+    assert twin.key != conv.key and twin.tokens == conv.tokens and twin.tokens is not conv.tokens
+    assert twin.state.cache is not conv.state.cache and twin.state.drafter is twin.drafter
+    assert twin.drafter.model is muse_pair.drafter.model and twin.drafter.target is muse_pair.target
+    for name, value in vars(conv.state).items():
+        if name not in ("cache", "processed", "drafter"):
+            assert getattr(twin.state, name) is value  # the target (and anything else) stays shared
