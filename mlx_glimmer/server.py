@@ -78,8 +78,22 @@ def supports_reasoning_strength(tokenizer) -> bool:
 # ---- request handling --------------------------------------------------------------------------------
 
 
+def max_body_bytes(server: ServerState) -> int:
+    """A body far beyond what the context could hold is refused (413) before it is read or tokenized."""
+    return max(1 << 20, 64 * (server.max_context or DEFAULT_CONTEXT))
+
+
 async def read_json(request: Request):
-    body = await request.body()
+    limit = max_body_bytes(request.app.state.server)
+    too_large = APIError(413, f"the request body is larger than this server accepts ({limit} bytes)")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_large
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -208,6 +208,7 @@ def test_eight_clients_three_turns_each_while_another_drops_mid_stream(server):
     assert after['glimmer_requests_total{finish_reason="cancelled"}'] >= 1
     assert after["glimmer_prefix_cache_hits_total"] - before["glimmer_prefix_cache_hits_total"] >= 16  # turns 2 and 3
     assert after["glimmer_queue_depth"] == 0
+    assert 0 < after["glimmer_prefix_cache_bytes"] <= after["glimmer_prefix_cache_max_bytes"]
 
 
 def test_a_dropped_stream_stops_within_a_round_and_the_next_request_is_served(server):
@@ -295,6 +296,8 @@ def test_bad_completions_and_routes(server):
                         ({"model": "demo", "prompt": "hi", "echo": True}, "echo")]:
         r = httpx.post(server.url + "/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+    huge = httpx.post(server.url + "/chat/completions", json={"model": "demo", "messages": ask("x" * 2**21)}, timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["message"]
     assert httpx.get(server.url + "/nowhere").status_code == 404
     assert httpx.get(server.url + "/chat/completions").status_code == 405
     with pytest.raises(openai.BadRequestError):
