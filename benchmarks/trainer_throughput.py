@@ -1,0 +1,170 @@
+"""Supervised block positions per second: the trainer as of commit c12d381 versus today's, same drafter, same data.
+
+    python benchmarks/trainer_throughput.py RUN_DIR [--records 48] [--steps 12] [--rounds 3]
+        [--out benchmarks/results/trainer_throughput.json]
+
+RUN_DIR is a `mlx-glimmer distill` run with answers in RUN_DIR/data/responses.jsonl.
+Both trainers build a 2-layer drafter for the demo target on the first N
+answers; features are computed before timing (both trainers cache them), so
+the figure is steady-state optimisation throughput. The two are timed in
+alternating rounds so that load from other processes hits both alike. The old
+trainer is loaded from git (`git show c12d381:mlx_glimmer/distill/train.py`).
+
+Also times the step's dominant kernels (the linear layers and the draft head,
+forward + backward at the step's shapes) in MLX and in torch on this CPU, the
+"which library's CPU kernels" comparison.
+"""
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_glimmer
+from mlx_glimmer.demo import demo_bundle
+from mlx_glimmer.distill.data import read_records
+from mlx_glimmer.distill.train import Trainer, TrainConfig
+
+OLD_COMMIT = "c12d381"
+
+
+def old_trainer_module():
+    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:mlx_glimmer/distill/train.py"], capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "train_old.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"mlx_glimmer.distill.train_{OLD_COMMIT}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed_steps(trainer, steps: int, next_batch) -> tuple[float, float]:
+    """(supervised positions, seconds) over `steps` optimiser steps."""
+    positions, seconds = 0.0, 0.0
+    for _ in range(steps):
+        inputs = next_batch()
+        tic = time.perf_counter()
+        loss, grads = trainer.loss_and_grad(*inputs)
+        trainer.optimizer.update(trainer.model, grads)
+        mx.eval(loss, trainer.model.parameters(), trainer.optimizer.state)
+        seconds += time.perf_counter() - tic
+        positions += float(inputs[5].sum().item())
+    return positions, seconds
+
+
+def kernel_comparison(rows: int, hidden: int, inter: int, vocab: int, repeats: int = 5) -> dict:
+    """Forward + backward of x -> MLP -> draft head at the step's shapes, MLX versus torch (float32, CPU)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = [rng.standard_normal(s).astype(np.float32) * 0.02 for s in ((hidden, inter), (hidden, inter), (inter, hidden), (hidden, vocab))]
+
+    def f_mlx(ws, x):
+        g, u, d, h = ws
+        y = (mx.sigmoid(x @ g) * (x @ g) * (x @ u)) @ d
+        return mx.logsumexp(y @ h, axis=-1).sum()
+
+    grad = mx.grad(f_mlx)
+    mw, mxx = [mx.array(a) for a in w], mx.array(x)
+    mx.eval(grad(mw, mxx))
+    tic = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(grad(mw, mxx))
+    t_mlx = (time.perf_counter() - tic) / repeats
+
+    tw = [torch.tensor(a, requires_grad=True) for a in w]
+    tx = torch.tensor(x)
+
+    def f_torch():
+        g, u, d, h = tw
+        y = (torch.nn.functional.silu(tx @ g) * (tx @ u)) @ d
+        return torch.logsumexp(y @ h, dim=-1).sum()
+
+    f_torch().backward()
+    tic = time.perf_counter()
+    for _ in range(repeats):
+        for t in tw:
+            t.grad = None
+        f_torch().backward()
+    t_torch = (time.perf_counter() - tic) / repeats
+    return {"rows": rows, "hidden": hidden, "intermediate": inter, "vocab": vocab, "mlx_s": t_mlx, "torch_s": t_torch,
+            "torch_threads": torch.get_num_threads()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("--records", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=12, help="steps per round per trainer")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--sequences-per-step", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--out", default="benchmarks/results/trainer_throughput.json")
+    args = ap.parse_args()
+
+    pair = mlx_glimmer.load(demo_bundle(), use_drafter=False)
+    records = [r for r in read_records(Path(args.run_dir) / "data" / "responses.jsonl") if len(r["response_ids"]) >= 2][: args.records]
+    tokens = sum(len(r["response_ids"]) for r in records)
+    mask = int(pair.tokenizer.vocab["<|endoftext|>"]) if "<|endoftext|>" in pair.tokenizer.vocab else 0
+    work = Path(tempfile.mkdtemp())
+
+    old_mod = old_trainer_module()
+    old = old_mod.Trainer(pair.target, records, old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10), work / "old", mask_token_id=mask)
+    for i in range(len(old.sequences)):  # its in-memory feature cache, filled before timing
+        old.batch(i)
+
+    new_cfg = TrainConfig(layers=2, anchors=args.anchors, sequences_per_step=args.sequences_per_step,
+                          draft_vocab_size=args.draft_vocab, steps=10**6, warmup=10)
+    new = Trainer(pair.target, records, new_cfg, work / "new", mask_token_id=mask)
+    new.features.ensure()
+
+    def old_batch():
+        if not old.order:
+            old.order = [int(i) for i in old.rng.permutation(len(old.sequences))]
+        return old.batch(old.order.pop())
+
+    def new_batch():
+        return new.batch(new.next_indices())
+
+    timed_steps(old, 2, old_batch)  # warm-up (graph building, allocations)
+    timed_steps(new, 2, new_batch)
+    totals = {"old": [0.0, 0.0], "new": [0.0, 0.0]}
+    for r in range(args.rounds):
+        for name, trainer, nb in (("old", old, old_batch), ("new", new, new_batch)):
+            p, s = timed_steps(trainer, args.steps, nb)
+            totals[name][0] += p
+            totals[name][1] += s
+            print(f"round {r + 1}/{args.rounds} {name}: {p / s:.0f} block positions/s", file=sys.stderr, flush=True)
+    rate = {k: p / s for k, (p, s) in totals.items()}
+    rows = args.anchors * args.sequences_per_step * (new_cfg.block_size - 1)
+    kernels = [kernel_comparison(rows, pair.target.hidden_size, int(pair.target.args.intermediate_size), v)
+               for v in (int(old.draft_vocab.shape[0]), int(new.draft_vocab.shape[0]))]
+    report = {
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "records": len(records), "target_tokens": tokens,
+        "old": {"commit": OLD_COMMIT, "config": "2 layers, 1 answer x 32 anchors per step, draft vocab = every emitted token",
+                "draft_vocab": int(old.draft_vocab.shape[0]), "block_positions_per_second": rate["old"]},
+        "new": {"config": f"2 layers, {args.sequences_per_step} answers x {args.anchors} anchors per step, draft vocab top {args.draft_vocab}",
+                "draft_vocab": int(new.draft_vocab.shape[0]), "vocab_coverage": new.vocab_coverage,
+                "block_positions_per_second": rate["new"]},
+        "speedup": rate["new"] / rate["old"],
+        "kernels_mlx_vs_torch": kernels,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
