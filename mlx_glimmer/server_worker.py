@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from . import stream_generate
 from .generate import GenerationStats
+from .loading import Pair
 from .prompt_cache import PromptCache, PromptCacheStats
 
 
@@ -177,7 +178,9 @@ class ServerMetrics:
 
 
 class PairLoader(Protocol):
-    def __call__(self): ...  # -> mlx_glimmer.Pair
+    """Opens the pair to serve; called once, on the generation thread."""
+
+    def __call__(self) -> Pair: ...
 
 
 class GenerationWorker:
@@ -265,7 +268,11 @@ class GenerationWorker:
             self.metrics.cache_memory_bytes = mx.get_cache_memory()
 
     def _generate(self, job: Job) -> None:
-        event = answer(self.pair, self.prompt_cache, job)
+        try:
+            event = answer(self.pair, self.prompt_cache, job)
+        except Exception as e:  # a bug; the thread must live on for the other clients
+            traceback.print_exc(file=sys.stderr)
+            event = Failed(f"generation failed: {type(e).__name__}: {e}")
         if isinstance(event, Finished):
             self.metrics.record(event.stats, event.finish_reason, event.queue_wait_s)
         else:

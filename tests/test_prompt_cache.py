@@ -194,3 +194,11 @@ def test_a_fork_copies_caches_and_drafter_context_but_shares_models(muse_pair):
     for name, value in vars(conv.state).items():
         if name not in ("cache", "processed", "drafter"):
             assert getattr(twin.state, name) is value  # the target (and anything else) stays shared
+
+
+def test_a_failing_job_reports_failed_and_the_worker_serves_the_next(worker, muse_pair):
+    events: queue.Queue = queue.Queue()
+    worker.submit(Job(GenerationRequest(prompt_tokens=[10**9], max_tokens=4), events.put))  # not a token id
+    assert isinstance(events.get(timeout=120), Failed)
+    text, done = run(worker, prompt_tokens=A, max_tokens=6)
+    assert done.finish_reason == "length" and text == cold(muse_pair, A, max_tokens=6).text
