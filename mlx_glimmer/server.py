@@ -302,10 +302,17 @@ def create_app(server: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await completion(request, chat=False)
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": int(server.started), "owned_by": "mlx-glimmer"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": int(server.started), "owned_by": "mlx-glimmer"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(server, model_id)
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -102,6 +102,9 @@ def glimmer(response) -> dict:
 def test_models_health_and_metrics(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
     assert httpx.get(server.root + "/health").json()["status"] == "ok"
     m = server.metrics()
     for name in ("glimmer_queue_depth", "glimmer_mean_acceptance", "glimmer_prefix_cache_hits_total",
