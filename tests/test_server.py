@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -313,5 +314,10 @@ def test_serve_flag_errors_are_one_line(capsys):
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert cli.main(["serve", "--prompt-cache-bytes", "lots"]) == 2
     assert cli.main(["serve", "/no/such/bundle", "--port", "0"]) == 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error:") for line in err), err
+    assert len(err) == 4 and all(line.startswith("error:") for line in err), err
+    assert "Address already in use" in err[-1] or "in use" in err[-1]
