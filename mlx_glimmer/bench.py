@@ -117,7 +117,8 @@ def time_ours(pair, ids, max_tokens, **kw):
 
 
 def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], repeats: int = 1, warmup: int = 1,
-              baseline: bool = True, log=sys.stderr) -> dict:
+              baseline: bool = True, log=None) -> dict:
+    log = log or sys.stderr
     if pair.drafter is None and block_sizes:
         raise GlimmerError("this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)")
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]

@@ -80,11 +80,32 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
 
 
+def version_line() -> str:
+    import mlx.core as mx
+
+    from . import __version__
+    from .blas import sgemm_library
+
+    device = mx.default_device()
+    blas = "Metal/Accelerate" if sys.platform == "darwin" else (sgemm_library() or "MLX's bundled reference BLAS")
+    return f"mlx-glimmer {__version__} (mlx {mx.__version__}, device {device}, BLAS {blas})"
+
+
+class VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="mlx-glimmer",
         description="Lossless block speculative decoding (DFlash) for Muse Glimmer on MLX.",
     )
+    parser.add_argument("--version", action=VersionAction, help="show versions, MLX device and BLAS, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     g = sub.add_parser(
@@ -363,6 +384,11 @@ COMMANDS["serve"] = cmd_serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a real command line (not a test calling main): get a fast CPU BLAS first
+        from .blas import ensure_fast_blas
+        from .demo import cache_dir
+
+        ensure_fast_blas(cache_dir() / "blas")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
+from .blas import check_fast_blas
 from .drafter import DFlashDrafter, DrafterConfig, load_dflash_model, read_drafter_config, validate_pair
 from .errors import GlimmerError
 from .speculative import Drafter
@@ -194,6 +195,7 @@ def load(
     `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10).
     `use_drafter=False` skips drafting (plain decoding only).
     """
+    check_fast_blas()
     paths = pair_paths(path, target, drafter, use_drafter)
     tgt, tokenizer = load_target(paths.target)
     drafter_path = paths.drafter
