@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .block_policy import describe
 from .distill.data import DATA_DIR, load_prompts
 from .errors import GlimmerError
 from .generate import encode_prompt, stream_generate
@@ -34,6 +35,7 @@ class Measurement:
     decode_s: float = 0.0
     target_forwards: int = 0
     acceptance: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)  # verify width of every round
     mismatches: int = 0
 
     @property
@@ -44,11 +46,12 @@ class Measurement:
     def mean_acceptance(self) -> float:
         return sum(self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
 
-    def add(self, tokens: int, decode_s: float, forwards: int = 0, acceptance=()) -> None:
+    def add(self, tokens: int, decode_s: float, forwards: int = 0, acceptance=(), widths=()) -> None:
         self.tokens += tokens
         self.decode_s += decode_s
         self.target_forwards += forwards
         self.acceptance.extend(acceptance)
+        self.widths.extend(widths)
 
 
 def device_name() -> str:
@@ -116,7 +119,7 @@ def time_ours(pair, ids, max_tokens, **kw):
     return result_ids, decode_s, stats
 
 
-def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], repeats: int = 1, warmup: int = 1,
+def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | str], repeats: int = 1, warmup: int = 1,
               baseline: bool = True, log=None) -> dict:
     log = log or sys.stderr
     if pair.drafter is None and block_sizes:
@@ -137,9 +140,11 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], r
                     results[m].add(max(len(toks) - 1, 0), dt)
                 else:
                     spec = m != "plain"
-                    kw = {"block_size": int(m[6:])} if spec else {"speculative": False}
+                    width = m.removeprefix("spec_b")
+                    kw = {"block_size": width if width == "auto" else int(width)} if spec else {"speculative": False}
                     toks, dt, stats = time_ours(pair, ids, max_tokens, **kw)
-                    results[m].add(max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths)
+                    results[m].add(max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths,
+                                   stats.verify_widths)
                 if reference is None:
                     reference = toks
                 elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
@@ -147,7 +152,8 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int], r
             so_far = ", ".join(f"{m} {r.tokens_per_second:.1f}" for m, r in results.items())
             print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}", file=log, flush=True)
     return {"environment": environment(pair), "max_tokens": max_tokens, "prompts": len(encoded), "repeats": repeats,
-            "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance}
+            "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance,
+                            "verify_width_histogram": describe(r.widths)}
                         for m, r in results.items()}}
 
 
@@ -165,6 +171,9 @@ def format_table(report: dict) -> str:
             f"| {device} [{report['environment']['drafter_kind']}, block {m[6:]}] | {plain:.1f} | {r['tokens_per_second']:.1f} | "
             f"{r['tokens_per_second'] / plain:.2f}x | {r['mean_acceptance']:.2f} | {per_token:.3f} |"
         )
+    for m, r in res.items():
+        if m == "spec_bauto":
+            lines.append(f"\nauto verify widths (width: rounds): {r['verify_width_histogram']}")
     if "mlx_lm" in res:
         base = res["mlx_lm"]["tokens_per_second"]
         lines.append(f"\nmlx_lm.stream_generate {base:.1f} tok/s; our plain path {plain:.1f} tok/s ({plain / base:.3f}x of mlx-lm)")
@@ -185,8 +194,9 @@ def add_bench_parser(sub, add_common) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default 3; 8 with --full)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 64; 128 with --full)")
     p.add_argument("--full", action="store_true", help="the full set: 8 prompts x 128 tokens")
-    p.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default: the drafter's)")
-    p.add_argument("--sweep-block-size", action="store_true", help="block sizes 2..16")
+    p.add_argument("--block-sizes", default=None,
+                   help="comma-separated verify widths and/or 'auto' (default: auto and the drafter's block size)")
+    p.add_argument("--sweep-block-size", action="store_true", help="every fixed width 2..16 and auto, side by side")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (default 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
@@ -205,14 +215,14 @@ def cmd_bench(args, open_pair) -> int:
     texts = load_prompts(path)[: args.num_prompts]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     if args.sweep_block_size:
-        sizes = list(range(2, 17))
+        sizes = ["auto", *range(2, 17)]
     elif args.block_sizes:
         try:
-            sizes = [int(x) for x in args.block_sizes.split(",")]
+            sizes = [x if x == "auto" else int(x) for x in args.block_sizes.split(",")]
         except ValueError:
-            raise GlimmerError(f"--block-sizes: {args.block_sizes!r} is not a comma-separated list of integers") from None
+            raise GlimmerError(f"--block-sizes: {args.block_sizes!r} is not a comma-separated list of integers and 'auto'") from None
     else:
-        sizes = [pair.drafter.block_size] if pair.drafter is not None else []
+        sizes = ["auto", pair.drafter.block_size] if pair.drafter is not None else []
     report = run_bench(pair, prompts, max_tokens=args.max_tokens, block_sizes=sizes, repeats=args.repeats,
                        warmup=args.warmup, baseline=not args.no_baseline)
     report["command"] = " ".join(sys.argv)

@@ -24,6 +24,8 @@ JSON_FIELDS = (
     "peak_memory_gb",
     "finish_reason",
     "drafter_kind",
+    "block_policy",
+    "verify_width_histogram",
 )
 
 
@@ -51,6 +53,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+def block_size_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
@@ -59,9 +65,12 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument(
         "--block-size",
-        type=positive_int,
+        type=block_size_arg,
         default=None,
-        help="tokens per draft block incl. the anchor (default: the drafter's block_size)",
+        metavar="auto|N",
+        help="verify width: drafted tokens + the anchor. auto (default): chosen every round from the measured "
+        "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
+        "drafting does not pay; N fixes it",
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
 
@@ -203,7 +212,7 @@ CHAT_SETTINGS = {
     "temp": ("temperature", 0.0),
     "top_p": ("top_p", 1.0),
     "top_k": ("top_k", 0),
-    "seed": ("seed", 0),
+    "seed": ("seed", None),  # None: a fresh seed per turn
     "block_size": ("block_size", None),
     "no_spec": ("speculative", True),
     "system": ("system", None),

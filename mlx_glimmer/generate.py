@@ -18,11 +18,15 @@ On torch the device is synchronised at every step, so times are wall-clock for f
 
 from __future__ import annotations
 
+import platform
 import time
+import weakref
 from contextlib import closing
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
+from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, describe, width_policy
 from .errors import GlimmerError
 from .loading import Pair
 from .sampling import SamplingParams
@@ -44,7 +48,9 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None
     drafter_kind: str = "none"
-    block_size: int = 1
+    block_size: int = 1  # the verify width, or with block_policy "auto" the widest it may choose
+    block_policy: str = "fixed"  # "fixed" or "auto"
+    verify_widths: list[int] = field(default_factory=list)  # per target call after prefill: drafts offered + 1
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -54,9 +60,14 @@ class GenerationStats:
             return 0.0
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
+    @property
+    def verify_width_histogram(self) -> dict[str, int]:
+        return describe(self.verify_widths)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["mean_acceptance"] = self.mean_acceptance
+        d["verify_width_histogram"] = self.verify_width_histogram
         return d
 
 
@@ -100,7 +111,7 @@ def stream_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     seed: int = 0,
     speculative: bool = True,
     chat_template_kwargs: dict | None = None,
@@ -126,6 +137,7 @@ def stream_generate(
         stop_ids=pair.tokenizer.eos_token_ids,
         seed=seed,
         state=state,
+        policy=request.policy,
     )
     yield from chunks_from_steps(pair.tokenizer, steps, request.stats, max_tokens, start, pair.target.peak_memory_gb)
 
@@ -139,12 +151,17 @@ class Request:
     drafter: Drafter | None
     block_size: int
     stats: GenerationStats  # fresh, for this request's chunks
+    policy: WidthPolicy | None = None  # block size "auto": the width is chosen every round
 
 
 def prepare_request(pair, prompt: Prompt, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    block_size: int | None = None, speculative: bool = True,
+                    block_size: int | str | None = None, speculative: bool = True,
                     chat_template_kwargs: dict | None = None) -> Request:
-    """Validate one request, so every caller accepts and refuses the same things."""
+    """Validate one request, so every caller accepts and refuses the same things.
+
+    `block_size`: an int fixes the verify width; "auto" (and None, the default)
+    chooses it every round from measured verify cost and live acceptance, up to
+    the drafter's own block size (`block_policy.py`)."""
     try:
         params = SamplingParams(temperature, top_p, top_k)
     except ValueError as e:
@@ -154,16 +171,54 @@ def prepare_request(pair, prompt: Prompt, *, temperature: float = 0.0, top_p: fl
     if any(not 0 <= t < vocab for t in tokens):
         raise GlimmerError(f"prompt token ids must lie in [0, {vocab})")
     drafter = pair.drafter if speculative else None
-    if block_size is None:
+    auto = block_size is None or block_size == "auto"
+    if not auto and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+        raise GlimmerError(f"block_size must be 'auto' or an integer >= 1, got {block_size!r}")
+    if auto:
         block_size = drafter.block_size if drafter is not None else 1
     if block_size < 1:
         raise GlimmerError(f"block_size must be >= 1, got {block_size}")
+    policy = auto_policy(pair, drafter) if auto and drafter is not None and drafter.block_size > 1 else None
     stats = GenerationStats(
         prompt_tokens=len(tokens),
         drafter_kind=drafter.kind if drafter is not None else "none",
         block_size=block_size if drafter is not None else 1,
+        block_policy="auto" if policy is not None else "fixed",
     )
-    return Request(tokens, params, drafter, block_size, stats)
+    return Request(tokens, params, drafter, block_size, stats, policy)
+
+
+# Per target: its measured verify cost; per drafter: the policy of its last generation (acceptance carries
+# over). Keyed by id with a weak reference to the owner (targets are unhashable dataclasses).
+_COSTS: dict[int, tuple[weakref.ref, VerifyCost]] = {}
+_POLICIES: dict[int, tuple[weakref.ref, WidthPolicy]] = {}
+
+
+def _recall(table: dict, owner):
+    entry = table.get(id(owner))
+    return entry[1] if entry is not None and entry[0]() is owner else None
+
+
+def _remember(table: dict, owner, value) -> None:
+    table[id(owner)] = (weakref.ref(owner, lambda _, k=id(owner): table.pop(k, None)), value)
+
+
+def auto_policy(pair, drafter: Drafter) -> WidthPolicy:
+    """The `auto` width policy for this pair: verify cost measured once per bundle, device and dtype (cached on disk)."""
+    from .demo import cache_dir
+
+    width = drafter.block_size
+    cost = _recall(_COSTS, pair.target)
+    if cost is None or cost.max_width != width:
+        config = Path(pair.target_path) / "config.json"
+        stamp = config.stat().st_mtime_ns if config.is_file() else 0
+        key = "|".join(map(str, (Path(pair.target_path).resolve(), stamp, type(pair.target).__name__,
+                                 getattr(pair, "device", "default"), getattr(pair, "dtype", ""), platform.machine())))
+        cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost")
+        _remember(_COSTS, pair.target, cost)
+    policy = width_policy(width, cost, _recall(_POLICIES, drafter))
+    _remember(_POLICIES, drafter, policy)
+    return policy
 
 
 def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
@@ -192,6 +247,7 @@ def _chunks(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: fl
             last_at = now
             stats.target_forwards += 1
             stats.acceptance_lengths.append(len(step.tokens))
+            stats.verify_widths.append(step.drafted + 1)
             stats.draft_s += step.draft_s
             stats.verify_s += step.verify_s
         stats.generated_tokens += len(new)
@@ -207,7 +263,8 @@ def _chunks(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: fl
         if stats.finish_reason is not None:
             detok.finalize()
         # A snapshot: chunks kept by the caller keep the figures of their moment.
-        yield GenerationChunk(detok.last_segment, new, replace(stats, acceptance_lengths=list(stats.acceptance_lengths)))
+        yield GenerationChunk(detok.last_segment, new, replace(stats, acceptance_lengths=list(stats.acceptance_lengths),
+                                                                        verify_widths=list(stats.verify_widths)))
     if stats.finish_reason is None:  # max_tokens == 0
         stats.finish_reason = "length"
 

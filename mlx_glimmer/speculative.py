@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
+from .block_policy import WidthPolicy
 from .errors import GlimmerError
 from .sampling import SamplingParams
 
@@ -187,7 +188,11 @@ def generate_steps(
     seed: int = 0,
     prefill_step: int = 512,
     state: DecodeState | None = None,
+    policy: WidthPolicy | None = None,
 ) -> Iterator[Step]:
+    """One `Step` per target call. `block_size` is the verify width (drafts + anchor); with a `policy`
+    (`block_policy.WidthPolicy`, `--block-size auto`) each round's width is the policy's choice, at most
+    `block_size`, and width 1 is a plain step (no drafter call)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max_tokens <= 0:
@@ -230,7 +235,8 @@ def generate_steps(
         return
 
     while generated < max_tokens:
-        b = min(block_size, max_tokens - generated)
+        context = len(state.processed) + 1
+        b = min(policy.choose(context) if policy is not None else block_size, max_tokens - generated)
         key, k_draft, k_accept = target.split(key, 2)
         tic = time.perf_counter()
         draft, draft_probs = target.tokens([]), None
@@ -257,6 +263,8 @@ def generate_steps(
         drafter.observe(processed, feats[:m] if feats is not None else None)
         state.processed.extend(processed)
         verify_s = time.perf_counter() - toc
+        if policy is not None:
+            policy.observe(b, n, context, toc - tic, verify_s)
         generated += m
         anchor = committed[-1]
         yield Step(committed, drafted=b - 1, draft_s=toc - tic, verify_s=verify_s, stopped=stopped)

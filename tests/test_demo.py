@@ -51,10 +51,12 @@ def test_demo_bundle_ships_with_the_trained_drafter(demo):
 def test_demo_chat_answer_is_lossless_and_the_drafter_helps(demo):
     msgs = [{"role": "user", "content": "Explain in two sentences why we see lightning before we hear thunder."}]
     plain = mlx_glimmer.generate(demo, msgs, max_tokens=64, speculative=False)
-    spec = mlx_glimmer.generate(demo, msgs, max_tokens=64)
+    spec = mlx_glimmer.generate(demo, msgs, max_tokens=64, block_size=16)  # the drafter's whole block, every round
     assert spec.token_ids == plain.token_ids
     assert "light" in plain.text.lower()
     assert spec.stats.mean_acceptance > 1.05  # a random drafter gives 1.0; the shipped one measured 1.18 here
+    auto = mlx_glimmer.generate(demo, msgs, max_tokens=64)  # the default: width chosen per round
+    assert auto.token_ids == plain.token_ids and auto.stats.block_policy == "auto"
 
 
 def test_prompt_lookup_on_a_copying_answer(demo):

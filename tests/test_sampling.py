@@ -164,3 +164,23 @@ def test_speculative_samples_match_target_distribution(small_vocab_pair, params)
     assert kept > 150 and rejected > 150  # both branches of the acceptance test ran
     for position, expected in enumerate([p1, p2, p3]):
         assert chi_square_p(draws[:, position], expected) > 0.001, f"token {position + 1}"
+
+
+def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
+    """Widths chosen per round from past rounds (block size auto) leave each token's distribution exact."""
+    from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
+
+    target, params = small_vocab_pair.target, SETTINGS[0]
+    p1, p2, p3 = exact_marginals(target, params)
+    cost = VerifyCost(4, [[1.0, 1.05, 1.1, 1.15] for _ in range(4)])
+    policy = WidthPolicy(cost, AcceptanceModel(3), probe_interval=2)
+    draws, widths = [], set()
+    for seed in range(400):
+        steps = list(generate_steps(target, PROMPT, drafter=NoisyTargetDrafter(target), params=params, block_size=4,
+                                    max_tokens=3, seed=10_000 + seed, policy=policy))
+        widths.update(s.drafted + 1 for s in steps[1:])
+        draws.append([t for s in steps for t in s.tokens][:3])
+    draws = np.array(draws)
+    assert len(widths) > 1, "the policy varied the width"
+    for position, expected in enumerate([p1, p2, p3]):
+        assert chi_square_p(draws[:, position], expected) > 0.001, f"token {position + 1}"

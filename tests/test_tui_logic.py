@@ -70,6 +70,7 @@ def test_the_start_of_a_header_is_held_back_while_streaming():
         ("/temp 0.7", Command("temp", 0.7)),
         ("/TEMP 0", Command("temp", 0.0)),
         ("/block 8", Command("block", 8)),
+        ("/block auto", Command("block", None)),
         ("/spec off", Command("spec", False)),
         ("/spec ON", Command("spec", True)),
         ("/reasoning xhigh", Command("reasoning", "xhigh")),
@@ -89,7 +90,7 @@ def test_commands_parse_to_typed_values(line, command):
         ("/temp", "usage: /temp X"),
         ("/temp nan", "/temp must be a number >= 0, got nan"),
         ("/temp -0.1", "/temp must be a number >= 0, got -0.1"),
-        ("/block 1.5", "/block needs a whole number, got '1.5'"),
+        ("/block 1.5", "/block needs 'auto' or a whole number, got '1.5'"),
         ("/block -2", "/block must be >= 1, got -2"),
         ("/spec yes", "usage: /spec on|off, got 'yes'"),
         ("/reasoning max", "/reasoning takes one of low, medium, high, xhigh, got 'max'"),
@@ -108,7 +109,7 @@ def test_a_double_slash_is_a_prompt_with_one_slash():
 
 
 def test_help_lists_every_command():
-    for name in ("/clear", "/system TEXT", "/temp X", "/block N", "/spec on|off", "/save FILE", "/stats", "/help"):
+    for name in ("/clear", "/system TEXT", "/temp X", "/block auto|N", "/spec on|off", "/save FILE", "/stats", "/help"):
         assert name in help_text()
 
 
@@ -145,6 +146,14 @@ def test_reasoning_strength_is_passed_only_when_the_template_has_it():
     assert (kwargs["temperature"], kwargs["block_size"], kwargs["speculative"]) == (0.5, 4, False)
     conv.reasoning_supported = True
     assert conv.generation_kwargs()["chat_template_kwargs"] == {"reasoning_strength": "low"}
+
+
+def test_each_turn_draws_a_fresh_seed_unless_one_is_set():
+    fresh = Conversation(Settings(temperature=0.8))
+    seeds = {fresh.generation_kwargs()["seed"] for _ in range(5)}
+    assert len(seeds) > 1
+    fixed = Conversation(Settings(temperature=0.8, seed=3))
+    assert {fixed.generation_kwargs()["seed"] for _ in range(5)} == {3}
 
 
 class FakeTokenizer:

@@ -21,7 +21,7 @@ HELP = {
     "export": ("/export FILE", "write this conversation as Markdown (.md) or JSON with token ids (.json)"),
     "system": ("/system TEXT", "set the system prompt (no TEXT: remove it)"),
     "temp": ("/temp X", "sampling temperature, 0 = greedy"),
-    "block": ("/block N", "draft block size incl. the anchor (N >= 1)"),
+    "block": ("/block auto|N", "verify width incl. the anchor: auto (per round, the default) or N >= 1"),
     "spec": ("/spec on|off", "speculative decoding on or off (off = the target alone)"),
     "reasoning": ("/reasoning LEVEL", "reasoning strength: " + ", ".join(REASONING_LEVELS)),
     "save": ("/save FILE", "write the transcript (Markdown) and its stats (JSON beside it)"),
@@ -75,10 +75,12 @@ def parse_command(line: str) -> Command:
             raise CommandError(f"/temp must be a number >= 0, got {arg}")
         return Command(name, value)
     if name == "block":
+        if arg.lower() == "auto":
+            return Command(name, None)  # chosen every round (the default)
         try:
             value = int(arg)
         except ValueError:
-            raise CommandError(f"/block needs a whole number, got {arg!r}") from None
+            raise CommandError(f"/block needs 'auto' or a whole number, got {arg!r}") from None
         if value < 1:
             raise CommandError(f"/block must be >= 1, got {value}")
         return Command(name, value)

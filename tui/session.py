@@ -8,6 +8,7 @@ drafter context, so a turn prefills only the tokens it adds.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
-    block_size: int | None = None  # None: the drafter's own
+    seed: int | None = None  # None: a fresh seed every turn; a number: the same seed (and answer) every time
+    block_size: int | None = None  # None: auto, chosen every round
     speculative: bool = True
     system: str | None = None
     reasoning: str = DEFAULT_REASONING
@@ -83,7 +84,7 @@ class Conversation:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            seed=s.seed,
+            seed=s.seed if s.seed is not None else secrets.randbelow(2**31),
             block_size=s.block_size,
             speculative=s.speculative,
         )

@@ -29,7 +29,9 @@ def stats_rows(stats: GenerationStats | None) -> list[tuple[str, str]]:
         ("TTFT", f"{stats.ttft_s * 1000:.0f} ms"),
         ("tokens", f"{stats.generated_tokens} in {stats.target_forwards} rounds"),
         ("accept", f"{stats.mean_acceptance:.2f} tok/round"),
-        ("drafter", f"{stats.drafter_kind}, block {stats.block_size}"),
+        ("drafter", f"{stats.drafter_kind}, block {'auto ≤' if stats.block_policy == 'auto' else ''}{stats.block_size}"),
+        *([("widths", " ".join(f"{w}×{n}" for w, n in stats.verify_width_histogram.items()))]
+          if stats.block_policy == "auto" else []),
         ("draft", f"{share:4.0%} {bar(share, 10)}"),
         ("verify", f"{1 - share:4.0%} {bar(1 - share, 10)}" if stats.verify_s else "–"),
         ("memory", f"{stats.peak_memory_gb:.2f} GB peak"),

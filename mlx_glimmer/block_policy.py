@@ -1,0 +1,223 @@
+"""`--block-size auto`: each round verifies the width that maximises expected committed tokens per second.
+
+Two measurements drive the choice:
+
+- **Verify cost** (`VerifyCost`): seconds of one target forward (+ head and
+  acceptance read-back) of width w = 1..W, per context-length band. Measured
+  on the running device when a pair first decodes with `auto` (a few seconds),
+  cached on disk per bundle, device and dtype, and refined online from every
+  round's own timing (exponential average per band and width).
+- **Acceptance** (`AcceptanceModel`): per-position conditional acceptance
+  a_i = P(draft i kept | drafts before it kept), from recent rounds with
+  exponential forgetting, so it follows the text and the context as they
+  change (greedy and sampling alike: it counts what the loop kept).
+
+Expected tokens committed by a round of width w (w - 1 drafts):
+E(w) = 1 + sum_{j<w} prod_{i<=j} a_i. The rule picks argmax_w E(w) / (cost(w) +
+draft cost), where width 1 is plain decoding (no drafter call, cost(1) only).
+The drafter still proposes at its trained block size when that is how it
+works (DFlash proposes a whole block in one pass); only a prefix is verified.
+
+Exploration is cheap and bounded: while width 1 wins, no acceptance is
+observed, so every `probe_interval` plain rounds the policy verifies one small
+probe (width `probe_width`, never the full block); a probe that does not pay
+doubles the interval (up to `max_interval`), one that pays resets it. So the
+fallback to plain happens by itself when drafting stops paying, and drafting
+comes back when it pays again.
+
+Every choice depends only on past rounds, so rejection sampling stays exact
+and greedy output stays identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
+
+
+def band_of(context: int) -> int:
+    return max(i for i, lo in enumerate(BANDS) if context >= lo)
+
+
+@dataclass
+class VerifyCost:
+    """seconds[band][w - 1]: one target call of width w at a context in that band; None where never measured."""
+
+    max_width: int
+    seconds: list[list[float | None]] = field(default_factory=list)
+    alpha: float = 0.1  # weight of a new online observation
+
+    def __post_init__(self):
+        if not self.seconds:
+            self.seconds = [[None] * self.max_width for _ in BANDS]
+
+    def estimate(self, width: int, context: int) -> float:
+        """The measured cost, or the nearest measured band's scaled by this band's width-1 figure."""
+        b = band_of(context)
+        own = self.seconds[b][width - 1]
+        if own is not None:
+            return own
+        for other in sorted(range(len(BANDS)), key=lambda o: abs(o - b)):
+            ref = self.seconds[other]
+            if ref[width - 1] is not None and ref[0]:
+                scale = (self.seconds[b][0] / ref[0]) if self.seconds[b][0] else 1.0
+                return ref[width - 1] * scale
+        return float(width)  # nothing measured: proportional to width (never chosen blindly, see WidthPolicy)
+
+    def observe(self, width: int, context: int, seconds: float) -> None:
+        row = self.seconds[band_of(context)]
+        old = row[width - 1]
+        row[width - 1] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+
+    def to_dict(self) -> dict:
+        return {"max_width": self.max_width, "bands": list(BANDS), "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "VerifyCost":
+        if raw.get("bands") != list(BANDS) or len(raw["seconds"]) != len(BANDS):
+            raise ValueError("cost table from another band layout")
+        return cls(int(raw["max_width"]), [list(r) for r in raw["seconds"]])
+
+
+def measure_verify_cost(target, max_width: int, vocab_size: int, contexts=(32, 1024), repeats: int = 2) -> VerifyCost:
+    """Time target calls of width 1..max_width after `contexts` tokens, on a cache of its own (nothing else moves)."""
+    cost = VerifyCost(max_width)
+    for context in contexts:
+        cache = target.make_cache(reserve=max_width)
+        ids = [(7 + 31 * i) % vocab_size for i in range(context + max_width)]
+        hidden, _ = target.forward(target.tokens(ids[:context]), cache, False)
+        target.sync(hidden, cache=cache)
+        for width in range(1, max_width + 1):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run warms up this shape
+                tic = time.perf_counter()
+                hidden, _ = target.forward(target.tokens(ids[context : context + width]), cache, False)
+                choice = target.sampling.argmax(target.head(hidden))
+                target.sync(choice, cache=cache)
+                choice.tolist()
+                best = min(best, time.perf_counter() - tic)
+                target.trim(cache, width)
+            cost.seconds[band_of(context)][width - 1] = best
+    return cost
+
+
+def cached_verify_cost(target, max_width: int, vocab_size: int, key: str, directory: Path | None) -> VerifyCost:
+    """`measure_verify_cost`, read from `directory/<hash of key>.json` when a run already measured it."""
+    path = None
+    if directory is not None:
+        path = Path(directory) / f"{hashlib.sha256(f'{key}|{max_width}'.encode()).hexdigest()[:20]}.json"
+        if path.is_file():
+            try:
+                return VerifyCost.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, json.JSONDecodeError):
+                pass  # stale or damaged: measure again
+    cost = measure_verify_cost(target, max_width, vocab_size)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".partial")
+            tmp.write_text(json.dumps({**cost.to_dict(), "key": key}))
+            tmp.rename(path)
+        except OSError:
+            pass  # a read-only cache only costs a re-measurement next time
+    return cost
+
+
+@dataclass
+class AcceptanceModel:
+    """Per-position conditional acceptance with exponential forgetting (a Beta(1, 1) prior per position)."""
+
+    size: int  # drafts per round at most
+    decay: float = 0.95
+    kept: list[float] = field(default_factory=list)
+    offered: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.kept = self.kept or [0.0] * self.size
+        self.offered = self.offered or [0.0] * self.size
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round offered `drafted` drafts and kept the first `accepted`."""
+        self.kept = [k * self.decay for k in self.kept]
+        self.offered = [o * self.decay for o in self.offered]
+        for i in range(min(accepted + 1, drafted)):  # positions 0..accepted were judged; later ones were not
+            self.offered[i] += 1.0
+            if i < accepted:
+                self.kept[i] += 1.0
+
+    def rates(self) -> list[float]:
+        return [(k + 1.0) / (o + 2.0) for k, o in zip(self.kept, self.offered)]
+
+    def expected_tokens(self, width: int) -> float:
+        total, survive = 1.0, 1.0
+        for a in self.rates()[: width - 1]:
+            survive *= a
+            total += survive
+        return total
+
+
+@dataclass
+class WidthPolicy:
+    cost: VerifyCost
+    acceptance: AcceptanceModel
+    draft_seconds: float | None = None  # the drafter's propose time, averaged
+    probe_width: int = 4
+    probe_interval: int = 8
+    max_interval: int = 256
+    _interval: int = 0
+    _plain_rounds: int = 0
+    _probing: bool = False
+
+    @property
+    def max_width(self) -> int:
+        return self.cost.max_width
+
+    def rate(self, width: int, context: int) -> float:
+        """Expected committed tokens per second at this width."""
+        seconds = self.cost.estimate(width, context) + (self.draft_seconds or 0.0 if width > 1 else 0.0)
+        return self.acceptance.expected_tokens(width) / max(seconds, 1e-9)
+
+    def choose(self, context: int) -> int:
+        self._interval = self._interval or self.probe_interval
+        best = max(range(1, self.max_width + 1), key=lambda w: self.rate(w, context))
+        self._probing = False
+        if best > 1:
+            self._plain_rounds = 0
+            return best
+        self._plain_rounds += 1
+        if self._plain_rounds >= self._interval:
+            self._plain_rounds = 0
+            self._probing = True
+            return min(self.probe_width, self.max_width)
+        return 1
+
+    def observe(self, width: int, accepted: int, context: int, draft_s: float, verify_s: float) -> None:
+        """One round's outcome: `width` verified (w - 1 drafts), `accepted` drafts kept."""
+        self.cost.observe(width, context, verify_s)
+        if width > 1:
+            self.acceptance.observe(width - 1, accepted)
+            self.draft_seconds = draft_s if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * draft_s
+        if self._probing:
+            paid = self.rate(width, context) > self.rate(1, context)
+            self._interval = self.probe_interval if paid else min(2 * self._interval, self.max_interval)
+
+
+def width_policy(max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None) -> WidthPolicy:
+    """A policy for one generation; acceptance and drafter cost carry over from the pair's previous one."""
+    if previous is not None and previous.max_width == max_width:
+        return WidthPolicy(cost, previous.acceptance, previous.draft_seconds, _interval=previous._interval)
+    return WidthPolicy(cost, AcceptanceModel(max_width - 1))
+
+
+def describe(widths: list[int]) -> dict[str, Any]:
+    """Histogram of verify widths, as `--json` and `bench` print it."""
+    hist: dict[int, int] = {}
+    for w in widths:
+        hist[w] = hist.get(w, 0) + 1
+    return {str(w): hist[w] for w in sorted(hist)}

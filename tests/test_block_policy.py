@@ -1,0 +1,105 @@
+"""`--block-size auto`: the verify width follows measured cost and live acceptance, and output stays lossless."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy, band_of, measure_verify_cost
+from mlx_glimmer.cli import main
+from oracle_drafter import OracleDrafter
+
+PROMPT = [256] + list(b"Once upon a time, in a land far away")
+
+
+def linear_cost(width_max: int, base: float = 1.0, per_token: float = 0.06) -> VerifyCost:
+    cost = VerifyCost(width_max)
+    for row in cost.seconds:
+        row[:] = [base + per_token * (w - 1) for w in range(1, width_max + 1)]
+    return cost
+
+
+def run(policy: WidthPolicy, accept_prob: float, rounds: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    widths = []
+    for _ in range(rounds):
+        w = policy.choose(100)
+        widths.append(w)
+        kept = 0
+        while kept < w - 1 and rng.random() < accept_prob:
+            kept += 1
+        policy.observe(w, kept, 100, draft_s=0.2, verify_s=policy.cost.estimate(w, 100))
+    return widths
+
+
+def test_expected_tokens_follow_the_per_position_rates():
+    model = AcceptanceModel(3, decay=1.0)
+    for _ in range(98):
+        model.observe(3, 3)  # every draft kept
+    assert model.rates()[0] == pytest.approx(99 / 100)
+    assert model.expected_tokens(1) == 1.0
+    assert model.expected_tokens(4) == pytest.approx(1 + 0.99 + 0.99**2 + 0.99**3, rel=1e-3)
+    model = AcceptanceModel(3, decay=1.0)
+    for _ in range(98):
+        model.observe(3, 0)  # first draft always rejected: later positions are never judged
+    assert model.rates()[0] == pytest.approx(1 / 100) and model.offered[1] == 0
+
+
+def test_a_drafter_that_agrees_gets_wide_blocks():
+    widths = run(WidthPolicy(linear_cost(16), AcceptanceModel(15)), accept_prob=0.95, rounds=200)
+    assert np.mean(widths[50:]) > 10
+
+
+def test_a_drafter_that_never_agrees_falls_back_to_plain_with_rare_small_probes():
+    widths = run(WidthPolicy(linear_cost(16), AcceptanceModel(15)), accept_prob=0.0, rounds=2000)
+    late = widths[100:]
+    probes = [w for w in late if w > 1]
+    assert len(probes) <= 12, "probes back off exponentially"
+    assert max(probes, default=1) <= 4, "never a full-block probe"
+
+
+def test_drafting_comes_back_when_it_pays_again():
+    policy = WidthPolicy(linear_cost(16), AcceptanceModel(15))
+    run(policy, accept_prob=0.0, rounds=300)
+    widths = run(policy, accept_prob=0.95, rounds=700, seed=1)
+    assert np.mean(widths[-100:]) >= 8  # back to wide blocks (the optimum of this cost model is 10)
+
+
+def test_width_one_wins_when_verify_cost_grows_steeply():
+    policy = WidthPolicy(linear_cost(16, per_token=1.0), AcceptanceModel(15))
+    widths = run(policy, accept_prob=0.5, rounds=300)
+    assert np.mean([w == 1 for w in widths[100:]]) > 0.9
+
+
+def test_cost_bands_and_measurement(muse_pair):
+    assert [band_of(c) for c in (0, 511, 512, 5000, 10**6)] == [0, 0, 1, 2, 3]
+    cost = measure_verify_cost(muse_pair.target, 4, muse_pair.target.vocab_size, contexts=(8,), repeats=1)
+    row = cost.seconds[0]
+    assert all(s is not None and s > 0 for s in row)
+    assert cost.estimate(3, 3000) > 0  # an unmeasured band borrows the nearest measured one
+
+
+def test_auto_greedy_equals_plain_with_random_and_agreeing_drafters(muse_pair):
+    plain = mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=90, speculative=False)
+    auto = mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=90)  # random drafter, window 8: far past it
+    assert auto.token_ids == plain.token_ids and auto.stats.block_policy == "auto"
+    assert sum(auto.stats.verify_width_histogram.values()) == auto.stats.target_forwards
+    oracle = OracleDrafter(len(PROMPT), plain.token_ids, {i for i in range(90) if i % 17 == 3}, muse_pair.target.vocab_size)
+    agreeing = mlx_glimmer.generate(dataclasses.replace(muse_pair, drafter=oracle), PROMPT, max_tokens=90)
+    assert agreeing.token_ids == plain.token_ids
+    assert agreeing.stats.target_forwards < 45, agreeing.stats.verify_width_histogram
+
+
+def test_block_size_flag_takes_auto_or_a_width(checkpoints, capsys):
+    base = ["generate", str(checkpoints["llama"]), "--drafter", str(checkpoints["llama_assistant"]), "--prompt", "hi",
+            "--max-tokens", "12", "--json"]
+    assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["block_policy"] == "auto" and sum(out["verify_width_histogram"].values()) == out["target_forwards"]
+    assert main(base + ["--block-size", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["block_policy"] == "fixed" and set(out["verify_width_histogram"]) <= {"1", "2", "3"}
+    assert main(base + ["--block-size", "wide"]) == 2
+    assert "--block-size" in capsys.readouterr().err
