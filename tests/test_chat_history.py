@@ -93,6 +93,27 @@ def test_a_cancelled_answer_is_saved_and_marked(pair, store, monkeypatch):
     assert turn.cancelled and turn.stats.finish_reason == "cancelled" and turn.token_ids
 
 
+def test_quitting_during_an_answer_saves_it_marked_cancelled(pair, store, tmp_path, monkeypatch):
+    reached, release = gate_after(monkeypatch, 2)
+    app = ChatApp(lambda: pair, Settings(max_tokens=60, block_size=4), source="the tiny pair", store=store)
+
+    async def run():
+        async with app.run_test(size=SIZE) as pilot:
+            await idle(app, pilot)
+            await say(app, pilot, "Hello", wait=False)
+            while not reached.is_set():
+                await pilot.pause(0.02)
+        # ctrl+q: the app is gone while the MLX thread is still in the answer
+
+    asyncio.run(run())
+    release.set()
+    assert app.shut_down(30)
+    reopened = Store(tmp_path / "chats.db")
+    (turn,) = reopened.load(reopened.last_id()).turns
+    assert turn.cancelled and turn.user == "Hello" and turn.token_ids
+    reopened.close()
+
+
 def test_settings_commands_are_saved_with_the_conversation(pair, store):
     async def scenario(app, pilot):
         await say(app, pilot, "Hello")
@@ -281,7 +302,12 @@ def test_a_database_locked_by_another_program_turns_history_off_and_the_chat_goe
 def started(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     apps = []
-    monkeypatch.setattr(ChatApp, "run", lambda app: apps.append(app))
+
+    def run(app):
+        app.had_history = app.store is not None  # the store is closed once the app has run
+        apps.append(app)
+
+    monkeypatch.setattr(ChatApp, "run", run)
     return apps
 
 
@@ -296,7 +322,7 @@ def test_chat_takes_a_first_message_a_bundle_or_both(started, tmp_path):
     assert (a.first_message, a.source) == ("What is MLX?", "the demo pair")
     assert (b.first_message, b.source) == (None, str(bundle))
     assert (c.first_message, c.source, c.settings.temperature) == ("hello", str(bundle), 0.5)
-    assert a.store is not None and d.store is None
+    assert a.had_history and not d.had_history
 
 
 def test_list_and_resume_on_the_command_line(started, tmp_path, capsys):
@@ -342,4 +368,4 @@ def test_list_on_a_corrupt_database_is_one_line(started, tmp_path, capsys):
     assert err.startswith("error: chat: history off: ") and "not a readable database" in err
     assert main(["chat", "hello"]) == 0  # a plain chat starts anyway, with the warning inside
     (app,) = started
-    assert app.store is None and "not a readable database" in app.store_warning
+    assert not app.had_history and "not a readable database" in app.store_warning

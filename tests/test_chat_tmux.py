@@ -62,7 +62,7 @@ class Terminal:
     def wait(self, condition, what: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            if time.monotonic() > deadline or self.dead():
+            if time.monotonic() > deadline or (self.dead() and not condition()):
                 raise AssertionError(f"waited for {what}; the screen:\n{self.screen()}")
             time.sleep(0.2)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from .store import Store, StoreError, title_for
 from .transcript import export_conversation, save_transcript
 from .widgets import AssistantMessage, Note, PromptInput, StatsPanel
 from .worker import MLXThread
+
+SWITCH_INTERVAL_S = 0.001
 
 LOAD_HINT = "Quit (ctrl+q) and start with a bundle: `mlx-glimmer chat BUNDLE`. /help still works."
 
@@ -476,6 +479,20 @@ class ChatApp(App):
         await self.query_one("#log").remove_children()
         self.query_one(StatsPanel).show(None)
 
+    def shut_down(self, wait_s: float) -> bool:
+        """After the app has exited: let the MLX thread finish (a cancelled turn stops within one
+        round), save an answer cut short by quitting, close the store. False if the thread still runs."""
+        closed = self.mlx.close(timeout=wait_s)
+        if self.unsaved is not None:  # quit during an answer: keep what was written, marked cancelled
+            try:
+                self.save_turn(self.unsaved)
+            except Exception:  # the app is gone: nowhere to show a failure
+                pass
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        return closed
+
     # --- history ------------------------------------------------------------------------
 
     def history(self, fn) -> bool:
@@ -652,18 +669,14 @@ class ChatApp(App):
 
 def run(load: Callable[[], object], settings: Settings, source: str, exit_wait_s: float = 3.0, **options) -> int:
     """Run the app in this terminal; returns the exit code. `options`: `ChatApp`'s keywords."""
+    # The decoder (MLX thread) releases the GIL inside MLX and needs it back between
+    # steps; while the UI thread draws, a 5 ms switch interval makes it wait up to 5 ms
+    # each time. 1 ms hands it back sooner (benchmarks/chat_stream_speed.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = ChatApp(load, settings, source, **options)
     app.run()
-    # A cancelled turn stops within one round. A model still loading cannot be
-    # stopped, and MLX aborts if the interpreter exits under a running thread.
-    closed = app.mlx.close(timeout=exit_wait_s)
-    if app.unsaved is not None:  # quit during an answer: keep what was written, marked cancelled
-        try:
-            app.save_turn(app.unsaved)
-        except Exception:  # the app is gone: nowhere to show a failure
-            pass
-    if app.store is not None:
-        app.store.close()
-    if not closed:
+    # A model still loading cannot be stopped, and MLX aborts if the interpreter
+    # exits under a running thread.
+    if not app.shut_down(exit_wait_s):
         os._exit(app.return_code or 0)
     return app.return_code or 0
