@@ -131,10 +131,11 @@ def cached_verify_cost(target, max_width: int, vocab_size: int, key: str, direct
 
 @dataclass
 class AcceptanceModel:
-    """Per-position conditional acceptance with exponential forgetting (a Beta(1, 1) prior per position)."""
+    """Per-position conditional acceptance with exponential forgetting and a chained prior (see `rates`)."""
 
     size: int  # drafts per round at most
     decay: float = 0.95
+    prior_weight: float = 2.0
     kept: list[float] = field(default_factory=list)
     offered: list[float] = field(default_factory=list)
 
@@ -152,7 +153,13 @@ class AcceptanceModel:
                 self.kept[i] += 1.0
 
     def rates(self) -> list[float]:
-        return [(k + 1.0) / (o + 2.0) for k, o in zip(self.kept, self.offered)]
+        """Position 0 shrinks toward 1/2; every later position toward the rate of the one before it, so a
+        drafter that keeps everything it offered is expected to keep going (and wider widths get tried)."""
+        out, prior = [], 0.5
+        for k, o in zip(self.kept, self.offered):
+            prior = (k + self.prior_weight * prior) / (o + self.prior_weight)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, width: int) -> float:
         total, survive = 1.0, 1.0

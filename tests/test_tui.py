@@ -123,7 +123,7 @@ def look(app) -> View:
 
 def chat(pair, scenario, *, load=None, **settings) -> View:
     """Run `scenario(app, pilot)` in a chat app over `pair` (loaded already, like a fast disk)."""
-    settings = {"max_tokens": 24, "block_size": 4, **settings}
+    settings = {"max_tokens": 24, "block_size": 4, "seed": 0, **settings}  # seed given, as with --seed 0: answers repeat
     app = ChatApp(load or (lambda: pair), Settings(**settings), source="the tiny pair")
     view = []
 
@@ -359,7 +359,7 @@ BAD_COMMANDS = [
     ("/temp hot", "/temp needs a number"),
     ("/temp -1", "/temp must be a number >= 0"),
     ("/block 0", "/block must be >= 1"),
-    ("/block two", "/block needs a whole number"),
+    ("/block two", "/block needs 'auto' or a whole number"),
     ("/spec maybe", "usage: /spec on|off"),
     ("/save", "usage: /save FILE"),
     ("/save /nonexistent/dir/chat.md", "/save failed"),
@@ -380,7 +380,7 @@ def test_bad_commands_give_an_inline_error_and_change_nothing(pair):
     for (line, needle), error in zip(BAD_COMMANDS, errors):
         assert needle in error, (line, error)
     assert len(view.errors) == len(BAD_COMMANDS)
-    assert view.app.settings == Settings(max_tokens=24, block_size=4)
+    assert view.app.settings == Settings(max_tokens=24, block_size=4, seed=0)
 
 
 def test_a_double_slash_sends_a_literal_slash(pair):
