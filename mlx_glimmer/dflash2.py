@@ -117,30 +117,19 @@ class DFlash2Attention(Attention):
         # What the context cache and rollback need: the farthest context key a block query sees.
         self.context_reach = None if self.window is None else self.window - 1
 
-    def __call__(self, x, rope, position: int, context: ContextCache) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = rope(q, offset=position)
-        k_blk, v_blk = self.project_kv(x, rope, position)
-        k_ctx, v_ctx, first_pos = context.fetch()
-        if k_ctx is not None:
-            keys = mx.concatenate([k_ctx, k_blk], axis=2)
-            values = mx.concatenate([v_ctx, v_blk], axis=2)
-        else:
-            keys, values, first_pos = k_blk, v_blk, position
-        mask = None
-        if self.causal or self.window is not None:
-            q_pos = mx.arange(position, position + L)[:, None]
-            k_pos = mx.arange(first_pos, position + L)[None]
-            mask = mx.ones((L, position + L - first_pos), dtype=mx.bool_)
-            if self.causal:
-                mask = mask & (k_pos <= q_pos)
-            if self.window is not None:
-                mask = mask & (q_pos - k_pos < self.window)
-                if not self.causal:
-                    mask = mask & (k_pos - q_pos < self.window)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    def mask(self, position: int, length: int, first_pos: int) -> mx.array | None:
+        if not (self.causal or self.window is not None):
+            return None
+        q_pos = mx.arange(position, position + length)[:, None]
+        k_pos = mx.arange(first_pos, position + length)[None]
+        mask = mx.ones((length, position + length - first_pos), dtype=mx.bool_)
+        if self.causal:
+            mask = mask & (k_pos <= q_pos)
+        if self.window is not None:
+            mask = mask & (q_pos - k_pos < self.window)
+            if not self.causal:
+                mask = mask & (k_pos - q_pos < self.window)
+        return mask
 
 
 class GroupedDynamicCausalConv(nn.Module):

@@ -18,7 +18,7 @@ import mlx.core as mx
 from .cache import make_rollback_cache, trim_cache
 from .errors import GlimmerError
 from .sampling import probabilities, sample
-from .speculative import _common_prefix
+from .speculative import common_prefix
 
 
 class DraftModelDrafter:
@@ -60,7 +60,7 @@ class DraftModelDrafter:
 
     def _catch_up(self, tokens: list[int]) -> mx.array:
         """Make the cache hold `tokens`; return logits after the last one."""
-        keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
+        keep = min(common_prefix(self.cached, tokens), len(tokens) - 1)
         drop = len(self.cached) - keep
         if drop and not all(c.can_trim(drop) if hasattr(c, "can_trim") else True for c in self.cache):
             self.cache = make_rollback_cache(self.model, reserve=self.max_k + 64)

@@ -153,6 +153,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
+    def mask(self, position: int, length: int, first_pos: int) -> mx.array | None:
+        """Which keys (context from `first_pos`, then the block) each block query sees; None: all of them.
+        Sliding layers: a query sees keys (context or block) with |q - k| <= reach."""
+        if self.context_reach is None or position + length - 1 - first_pos <= self.context_reach:
+            return None
+        q_pos = mx.arange(position, position + length)[:, None]
+        k_pos = mx.arange(first_pos, position + length)[None]
+        return mx.abs(q_pos - k_pos) <= self.context_reach
+
     def __call__(self, x, rope, position: int, context: "ContextCache") -> mx.array:
         """`x`: block hidden states [B, L, H] at positions position..position+L-1."""
         B, L, _ = x.shape
@@ -165,12 +174,7 @@ class Attention(nn.Module):
             values = mx.concatenate([v_ctx, v_blk], axis=2)
         else:
             keys, values, first_pos = k_blk, v_blk, position
-        mask = None
-        # Sliding layers: a query sees keys (context or block) with |q - k| <= reach.
-        if self.context_reach is not None and position + L - 1 - first_pos > self.context_reach:
-            q_pos = mx.arange(position, position + L)[:, None]
-            k_pos = mx.arange(first_pos, position + L)[None]
-            mask = mx.abs(q_pos - k_pos) <= self.context_reach
+        mask = self.mask(position, L, first_pos)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .speculative import DecodeState
+from .speculative import DecodeState, common_prefix
 
 _ids = count()
 
@@ -60,15 +60,6 @@ class PromptCacheStats:
     reused_tokens: int = 0  # prompt tokens found in cached conversations
     forks: int = 0  # hits served by a copy, leaving the cached conversation in place
     evictions: int = 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _arrays(obj, seen: set[int], depth: int = 0):

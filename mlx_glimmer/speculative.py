@@ -132,7 +132,7 @@ class DecodeState:
 ROLLBACK_SLACK = 64
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -156,7 +156,7 @@ def _resume(state: DecodeState, target: TargetModel, prompt: Sequence[int], draf
         and (drafter is None or state.drafter is drafter)
     )
     if reusable:
-        keep = min(_common_prefix(state.processed, prompt), len(prompt) - 1)
+        keep = min(common_prefix(state.processed, prompt), len(prompt) - 1)
         rollback = len(state.processed) - keep
         can = target.can_trim(state.cache, rollback)
         if can and drafter is not None:
