@@ -6,9 +6,10 @@ generate, ...) so background load and its trends hit both alike; the ratio is th
 median of the per-pair ratios (the ratio of the medians is reported too).
 
 - generate: `mlx-glimmer generate BUNDLE --chat --prompt P --max-tokens 512 --json`
-- app:      `mlx-glimmer chat BUNDLE --max-tokens 512 P` in a real terminal (tmux,
-            120x40), streaming the answer into its Markdown view; its decode tok/s
-            is read from the conversation it saved (XDG_DATA_HOME set to a temp dir).
+- app:      `mlx-glimmer chat BUNDLE --max-tokens 512` in a real terminal (tmux,
+            120x40); once it has loaded and settled, P is typed and sent, and the
+            answer streams into its Markdown view; its decode tok/s is read from the
+            conversation it saved (XDG_DATA_HOME set to a temp dir).
 
     python benchmarks/chat_stream_speed.py [--bundle DIR | --tiny] [--no-spec] [--pairs 3] [--out FILE]
 
@@ -56,12 +57,19 @@ def run_app(bundle: str | None, tokens: int, prompt: str, flags: list[str], time
         env = {**os.environ, "XDG_DATA_HOME": data, "TERM": "xterm-256color"}
         db = Path(data) / "mlx-glimmer" / "chats.db"
         socket = f"glimmer-bench-{os.getpid()}"
-        args = [str(APP), "chat", *([bundle] if bundle else []), "--max-tokens", str(tokens), *flags, prompt]
+        args = [str(APP), "chat", *([bundle] if bundle else []), "--max-tokens", str(tokens), *flags]
         command = "exec " + " ".join("'" + a.replace("'", "'\\''") + "'" for a in args)
         tmux(socket, "new-session", "-d", "-s", "bench", "-x", "120", "-y", "40", command, env=env)
         tmux(socket, "set-option", "-t", "bench", "remain-on-exit", "on", env=env)
         try:
             deadline = time.monotonic() + timeout
+            while "Loaded " not in tmux(socket, "capture-pane", "-p", "-t", "bench", env=env):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the app did not load")
+                time.sleep(0.3)
+            time.sleep(2.0)  # let the first frames settle, as a person would before typing
+            tmux(socket, "send-keys", "-t", "bench", "-l", prompt, env=env)
+            tmux(socket, "send-keys", "-t", "bench", "Enter", env=env)
             while True:
                 stats = saved_stats(db)
                 if stats is not None:
