@@ -58,6 +58,11 @@ class VerifyCost:
             self.seconds = [[None] * self.max_width for _ in BANDS]
 
     def estimate(self, width: int, context: int) -> float:
+        """Never less than a narrower width's: a verify cannot get cheaper with more tokens, so a noisy
+        measurement cannot make plain decoding look dearer than drafting."""
+        return max(self._raw(w, context) for w in range(1, width + 1))
+
+    def _raw(self, width: int, context: int) -> float:
         """The measured cost, or the nearest measured band's scaled by this band's width-1 figure."""
         b = band_of(context)
         own = self.seconds[b][width - 1]
@@ -74,6 +79,9 @@ class VerifyCost:
         row = self.seconds[band_of(context)]
         old = row[width - 1]
         row[width - 1] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        for w in range(width - 1):  # a narrower verify costs no more than this one did
+            if row[w] is not None and row[w] > row[width - 1]:
+                row[w] = row[width - 1]
 
     def to_dict(self) -> dict:
         return {"max_width": self.max_width, "bands": list(BANDS), "seconds": self.seconds}

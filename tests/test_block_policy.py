@@ -109,3 +109,11 @@ def test_block_size_flag_takes_auto_or_a_width(checkpoints, capsys):
     assert out["block_policy"] == "fixed" and set(out["verify_width_histogram"]) <= {"1", "2", "3"}
     assert main(base + ["--block-size", "wide"]) == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_a_noisy_cost_table_cannot_make_plain_look_dearer_than_a_wider_verify():
+    cost = linear_cost(8)
+    cost.seconds[0][0] = 5.0  # a spike while measuring width 1
+    assert all(cost.estimate(w, 100) >= cost.estimate(w - 1, 100) for w in range(2, 9))
+    widths = run(WidthPolicy(cost, AcceptanceModel(7)), accept_prob=0.0, rounds=400)
+    assert np.mean([w == 1 for w in widths[100:]]) > 0.95
