@@ -151,6 +151,7 @@ def main() -> int:
         "prompt": prompt,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ},
         "pairs": runs,
         "median_generate_tok_s": statistics.median(r["generate"]["decode_tokens_per_second"] for r in runs),
         "median_app_tok_s": statistics.median(r["app"]["decode_tokens_per_second"] for r in runs),
