@@ -51,11 +51,14 @@ class VerifyCost:
 
     max_width: int
     seconds: list[list[float | None]] = field(default_factory=list)
-    alpha: float = 0.1  # weight of a new online observation
+    alpha: float = 0.1  # weight of a new online observation, once a cell has several
+    counts: list[list[int]] = field(default_factory=list)  # online observations per cell
 
     def __post_init__(self):
         if not self.seconds:
             self.seconds = [[None] * self.max_width for _ in BANDS]
+        if not self.counts:
+            self.counts = [[0] * self.max_width for _ in BANDS]
 
     def estimate(self, width: int, context: int) -> float:
         """Never less than a narrower width's: a verify cannot get cheaper with more tokens, so a noisy
@@ -76,9 +79,11 @@ class VerifyCost:
         return float(width)  # nothing measured: proportional to width (never chosen blindly, see WidthPolicy)
 
     def observe(self, width: int, context: int, seconds: float) -> None:
-        row = self.seconds[band_of(context)]
+        row, counts = self.seconds[band_of(context)], self.counts[band_of(context)]
         old = row[width - 1]
-        row[width - 1] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        counts[width - 1] += 1
+        weight = max(self.alpha, 1.0 / (counts[width - 1] + 1))  # the first live timings weigh as much as the table
+        row[width - 1] = seconds if old is None else (1 - weight) * old + weight * seconds
         for w in range(width - 1):  # a narrower verify costs no more than this one did
             if row[w] is not None and row[w] > row[width - 1]:
                 row[w] = row[width - 1]
@@ -187,6 +192,7 @@ class WidthPolicy:
     max_interval: int = 256
     _interval: int = 0
     _plain_rounds: int = 0
+    _draft_rounds: int = 0
     _probing: bool = False
 
     @property
@@ -204,6 +210,10 @@ class WidthPolicy:
         self._probing = False
         if best > 1:
             self._plain_rounds = 0
+            self._draft_rounds += 1
+            # Now and then one width wider than the best, to keep its verify cost measured here and now.
+            if best < self.max_width and self._draft_rounds % self.probe_interval == 0:
+                return best + 1
             return best
         self._plain_rounds += 1
         if self._plain_rounds >= self._interval:
