@@ -61,9 +61,10 @@ class VerifyCost:
             self.counts = [[0] * self.max_width for _ in BANDS]
 
     def estimate(self, width: int, context: int) -> float:
-        """Never less than a narrower width's: a verify cannot get cheaper with more tokens, so a noisy
-        measurement cannot make plain decoding look dearer than drafting."""
-        return max(self._raw(w, context) for w in range(1, width + 1))
+        """The least time measured at this width or any wider one: a verify cannot get dearer with fewer
+        tokens, and other load only ever adds time, so spikes (here or at a narrower width) drop out and
+        the estimate never decreases with width."""
+        return min(self._raw(w, context) for w in range(width, self.max_width + 1))
 
     def _raw(self, width: int, context: int) -> float:
         """The measured cost, or the nearest measured band's scaled by this band's width-1 figure."""
