@@ -52,14 +52,18 @@ def tmux(socket: str, *args: str, env=None) -> str:
                           env=env, timeout=30).stdout
 
 
+APP_ENV: dict[str, str] = {}  # --app-env: extra environment for the app's runs only
+
+
 def run_app(bundle: str | None, tokens: int, prompt: str, flags: list[str], timeout: float = 1800) -> dict:
     with tempfile.TemporaryDirectory() as data:
-        env = {**os.environ, "XDG_DATA_HOME": data, "TERM": "xterm-256color"}
+        env = {**os.environ, "XDG_DATA_HOME": data, "TERM": "xterm-256color", **APP_ENV}
         db = Path(data) / "mlx-glimmer" / "chats.db"
         socket = f"glimmer-bench-{os.getpid()}"
         args = [str(APP), "chat", *([bundle] if bundle else []), "--max-tokens", str(tokens), *flags]
         command = "exec " + " ".join("'" + a.replace("'", "'\\''") + "'" for a in args)
-        tmux(socket, "new-session", "-d", "-s", "bench", "-x", "120", "-y", "40", command, env=env)
+        env_args = [a for k, v in APP_ENV.items() for a in ("-e", f"{k}={v}")]
+        tmux(socket, "new-session", "-d", "-s", "bench", "-x", "120", "-y", "40", *env_args, command, env=env)
         tmux(socket, "set-option", "-t", "bench", "remain-on-exit", "on", env=env)
         try:
             deadline = time.monotonic() + timeout
@@ -119,8 +123,11 @@ def main() -> int:
                     "with --tiny 'Tell me more', which it answers with > 512 tokens)")
     ap.add_argument("--pairs", type=int, default=3, help="alternating generate/app pairs (default 3)")
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--app-env", action="append", default=[], metavar="K=V",
+                    help="environment for the app's runs only (e.g. OPENBLAS_NUM_THREADS=1)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "chat_stream_speed.json"))
     args = ap.parse_args()
+    APP_ENV.update(kv.split("=", 1) for kv in args.app_env)
     flags = ["--no-spec"] if args.no_spec else []
     bundle, prompt = args.bundle, args.prompt or PROMPT
     tmp = tempfile.TemporaryDirectory()
@@ -152,6 +159,7 @@ def main() -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ},
+        "app_env": APP_ENV,
         "pairs": runs,
         "median_generate_tok_s": statistics.median(r["generate"]["decode_tokens_per_second"] for r in runs),
         "median_app_tok_s": statistics.median(r["app"]["decode_tokens_per_second"] for r in runs),

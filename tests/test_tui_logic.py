@@ -254,3 +254,10 @@ def test_the_pacer_spaces_updates_so_drawing_takes_a_small_share_of_the_time():
     clocks.spend(1.0, 1.0)  # one very slow frame is capped
     assert pacer.updated() == 0.5
     assert pacer.due(clocks.wall_s - 0.6) and not pacer.due(clocks.wall_s - 0.1)
+
+
+def test_an_explicit_blas_thread_count_is_left_alone(monkeypatch):
+    from mlx_glimmer.tui.pacing import leave_a_core_for_the_ui
+
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert leave_a_core_for_the_ui() is None

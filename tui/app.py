@@ -26,7 +26,7 @@ from textual.widgets import Footer, Header, Select, Static
 from mlx_glimmer import DecodeState, GenerationStats, GlimmerError
 
 from .chats import Choice, ConversationList
-from .pacing import Pacer
+from .pacing import Pacer, leave_a_core_for_the_ui
 from .commands import CommandError, help_text, is_command, parse_command, prompt_text
 from .session import Conversation, Settings, Turn, rebuild_state, run_turn, supports_reasoning
 from .stats import prefill_line, stats_rows
@@ -677,6 +677,7 @@ def run(load: Callable[[], object], settings: Settings, source: str, exit_wait_s
     # steps; while the UI thread draws, a 5 ms switch interval makes it wait up to 5 ms
     # each time. 1 ms hands it back sooner (benchmarks/chat_stream_speed.py).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    leave_a_core_for_the_ui()
     app = ChatApp(load, settings, source, **options)
     app.run()
     # A model still loading cannot be stopped, and MLX aborts if the interpreter

@@ -42,3 +42,28 @@ class Pacer:
     def due(self, last: float, now: float | None = None) -> bool:
         """Whether an update posted at `last` (clock time) is far enough back (any thread)."""
         return (self.clock() if now is None else now) - last >= self.interval
+
+
+def leave_a_core_for_the_ui() -> int | None:
+    """On Linux with OpenBLAS doing the matmuls, run it on all cores but one.
+
+    With BLAS threads on every core, the UI thread's few percent of CPU preempts a
+    BLAS worker and the whole matmul waits for it: measured on a 2-core CPU, the
+    app decoded 0.67x as fast as `generate` on the tiny test pair; with one core
+    left free, 0.83x; the demo pair stayed at 0.9-1.0x (benchmarks/chat_stream_speed.py).
+    Leaves an explicit OPENBLAS_NUM_THREADS / OMP_NUM_THREADS alone; returns the
+    thread count set, or None.
+    """
+    import ctypes
+    import os
+    import sys
+
+    if sys.platform != "linux" or "OPENBLAS_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return None
+    try:
+        set_threads = ctypes.CDLL(None).openblas_set_num_threads
+    except (OSError, AttributeError):  # MLX's own BLAS, or another library
+        return None
+    threads = max(1, (os.cpu_count() or 1) - 1)
+    set_threads(threads)
+    return threads
