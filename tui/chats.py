@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Input, Label, OptionList, Static
+from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
 
 from .store import ConversationInfo, Store, StoreError, when
@@ -62,7 +62,6 @@ class ConversationList(ModalScreen[Choice]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="chats-box"):
-            yield Label("conversations")
             yield OptionList(id="chats")
             yield Input(id="chats-rename", placeholder="new title (enter saves, esc cancels)")
             yield Static(HINT, id="chats-hint", markup=False)
