@@ -25,5 +25,5 @@ import json, sys
 text = " ".join(f"Note {i}: the meeting about item {i} moved to room {i % 7} on day {i % 5}." for i in range(190))
 open(sys.argv[1], "w").write(json.dumps({"prompt": text + "\n\nSummarise these notes in two sentences."}) + "\n")
 PY
-mlx-glimmer bench "$BUNDLE" --prompts "$WORK/long.jsonl" --num-prompts 1 --max-tokens "$TOKENS" --no-baseline \
+mlx-glimmer bench "$BUNDLE" --prompts "$WORK/long.jsonl" --num-prompts 1 --max-tokens "$TOKENS" --no-baseline --repeats 2 \
   --block-sizes auto,16 --json-out benchmarks/results/block_auto_long_context.json
