@@ -128,28 +128,36 @@ def warn_once(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
-def ensure_fast_blas(cache: Path) -> None:
-    """On Linux, re-execute this command with an OpenBLAS preloaded (once), or warn that matmuls will be slow.
-
-    Call it first thing in a command-line entry point: it may not return.
-    """
+def reexec_env(cache: Path) -> dict | None:
+    """The environment to re-execute this process with an OpenBLAS preloaded, or None when there is nothing
+    to do (not Linux, switched off, already preloaded) or nothing to preload (then it warns once)."""
     if not sys.platform.startswith("linux") or os.environ.get(ENV) == "reference":
-        return
+        return None
     if os.environ.get(ENV) or any(is_fast(p) for p in preloaded()):
         check_fast_blas()
-        return
+        return None
     choice = find_openblas(cache)
     if choice is None:
         warn_once(f"no optimized BLAS found: MLX runs on its slow reference BLAS (~10x slower on CPU). Fix: {FIX}")
-        return
+        return None
     env = dict(os.environ)
     env[ENV] = choice.library
     env["LD_PRELOAD"] = " ".join([choice.library, *preloaded()])
     if choice.library_path:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (choice.library_path, env.get("LD_LIBRARY_PATH")) if p)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
+    return env
+
+
+def ensure_fast_blas(cache: Path) -> None:
+    """On Linux, re-execute this command with an OpenBLAS preloaded (once), or warn that matmuls will be slow.
+
+    Call it first thing in a command-line entry point: it may not return.
+    """
+    env = reexec_env(cache)
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
 
 
 def check_fast_blas() -> None:
