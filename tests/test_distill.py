@@ -52,6 +52,7 @@ def test_training_forward_equals_inference_forward(llama_pair, records, tmp_path
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single), atol=2e-4)
 
 
+@pytest.mark.slow  # 500 optimiser steps: minutes on a 2-core CPU
 def test_training_lowers_the_loss_and_raises_acceptance_on_its_data(llama_pair, records, tmp_path):
     tr = make_trainer(llama_pair, records, tmp_path, steps=500, layers=2)
     prompts = [r["prompt_ids"] for r in records]
