@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter import CONTEXT_SLACK, MLP, Attention, ContextCache, DFlashDrafter, DrafterConfig, read_weights, validate_pair
+from .drafter import MLP, Attention, BlockContext, DFlashDrafter, DrafterConfig, read_weights, validate_pair
 from .errors import GlimmerError
 
 SELECTOR_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -222,30 +222,6 @@ class CandidateSelector(nn.Module):
             tokens.append(previous)
             scores.append(s)
         return mx.concatenate(tokens), candidates, mx.stack(scores), (mx.stack(q_rows) if q_rows else None)
-
-
-class BlockContext:
-    """Context K/V and block forward shared by the DFlash-style families (fc, hidden_norm, layers, norm, rope)."""
-
-    def make_context(self) -> list[ContextCache]:
-        out = []
-        for layer in self.layers:
-            reach = layer.self_attn.context_reach
-            out.append(ContextCache(None if reach is None else reach + 1 + CONTEXT_SLACK))
-        return out
-
-    def extend_context(self, features: mx.array, context: list[ContextCache]) -> None:
-        """Project target features [B, n, k*H] of the next n positions into every layer's context K/V."""
-        ctx = self.hidden_norm(self.fc(features))
-        for layer, c in zip(self.layers, context):
-            k, v = layer.self_attn.project_kv(ctx, self.rope, c.next_pos)
-            c.append(k, v)
-
-    def __call__(self, noise_embeds: mx.array, position: int, context: list[ContextCache]) -> mx.array:
-        h = noise_embeds
-        for layer, c in zip(self.layers, context):
-            h = layer(h, self.rope, position, c)
-        return self.norm(h)
 
 
 def make_rope(cfg: DrafterConfig):

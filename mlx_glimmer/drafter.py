@@ -256,7 +256,37 @@ class ContextCache:
 CONTEXT_SLACK = 64
 
 
-class DFlashModel(nn.Module):
+class BlockContext:
+    """Context K/V and block forward shared by every DFlash-style drafter (layers, norm, rope).
+
+    `project_context` maps target features to the context's hidden states: `hidden_norm(fc(x))` in the
+    z-lab/DSpark layout (the default), `encoder(x)` in the assistant's (DFlashModel)."""
+
+    def project_context(self, features: mx.array) -> mx.array:
+        return self.hidden_norm(self.fc(features))
+
+    def make_context(self) -> list[ContextCache]:
+        out = []
+        for layer in self.layers:
+            reach = layer.self_attn.context_reach
+            out.append(ContextCache(None if reach is None else reach + 1 + CONTEXT_SLACK))
+        return out
+
+    def extend_context(self, features: mx.array, context: list[ContextCache]) -> None:
+        """Project target features [B, n, k*H] of the next n positions into every layer's context K/V."""
+        ctx = self.project_context(features)
+        for layer, c in zip(self.layers, context):
+            k, v = layer.self_attn.project_kv(ctx, self.rope, c.next_pos)
+            c.append(k, v)
+
+    def __call__(self, noise_embeds: mx.array, position: int, context: list[ContextCache]) -> mx.array:
+        h = noise_embeds
+        for layer, c in zip(self.layers, context):
+            h = layer(h, self.rope, position, c)
+        return self.norm(h)
+
+
+class DFlashModel(BlockContext, nn.Module):
     """The drafter's weights and forward; bound to a target's embedding and head by `DFlashDrafter`."""
 
     def __init__(self, cfg: DrafterConfig):
@@ -275,25 +305,8 @@ class DFlashModel(nn.Module):
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
-    def make_context(self) -> list[ContextCache]:
-        out = []
-        for layer in self.layers:
-            reach = layer.self_attn.context_reach
-            out.append(ContextCache(None if reach is None else reach + 1 + CONTEXT_SLACK))
-        return out
-
-    def extend_context(self, features: mx.array, context: list[ContextCache]) -> None:
-        """Project target features [B, n, k*H] of the next n positions into every layer's context K/V."""
-        ctx = self.encoder(features)
-        for layer, c in zip(self.layers, context):
-            k, v = layer.self_attn.project_kv(ctx, self.rope, c.next_pos)
-            c.append(k, v)
-
-    def __call__(self, noise_embeds: mx.array, position: int, context: list[ContextCache]) -> mx.array:
-        h = noise_embeds
-        for layer, c in zip(self.layers, context):
-            h = layer(h, self.rope, position, c)
-        return self.norm(h)
+    def project_context(self, features: mx.array) -> mx.array:
+        return self.encoder(features)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
