@@ -50,6 +50,9 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--generator", choices=["auto", "mlx", "torch"], default="auto",
                    help="batched answer generator: mlx-lm batch_generate or transformers generate (auto: torch on Linux "
                         "when installed, mlx elsewhere)")
+    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="torch generator precision (default float32, the target's exactly; bfloat16 is ~3.4x faster on "
+                        "CPUs with AVX-512 bf16/AMX and gives answers that drift from float32 greedy after ~30 tokens)")
     p.add_argument("--gen-threads", type=int, default=None, help="CPU threads for the torch generator (default: all)")
     p.add_argument("--heldout", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="held-out prompts for selection")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
@@ -74,14 +77,14 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
 
 
-def make_answerer(kind: str, pair, threads: int | None) -> Answerer:
+def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
     if kind == "auto":
         kind = "torch" if sys.platform == "linux" and importlib.util.find_spec("torch") else "mlx"
     if kind == "mlx":
         return MLXAnswerer(pair.target.model, pair.tokenizer)
     if importlib.util.find_spec("torch") is None:
         raise GlimmerError("--generator torch: torch is not installed (pip install torch)")
-    return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads)
+    return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads, dtype=dtype)
 
 
 def training_prompts(args, answer: Answerer, tokenizer, heldout: list[str], data_dir: Path) -> list[str]:
@@ -143,7 +146,7 @@ def cmd_distill(args, open_pair) -> int:
     except ValueError:
         raise GlimmerError(f"--temperatures: {args.temperatures!r} is not a comma-separated list of numbers") from None
 
-    answer = make_answerer(args.generator, pair, args.gen_threads)
+    answer = make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
     train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
     data = out / "data" / "responses.jsonl"
     tags = []
