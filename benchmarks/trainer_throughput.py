@@ -4,11 +4,14 @@
         [--out benchmarks/results/trainer_throughput.json]
 
 RUN_DIR is a `mlx-glimmer distill` run with answers in RUN_DIR/data/responses.jsonl.
-Both trainers build a 2-layer drafter for the demo target on the first N
-answers; features are computed before timing (both trainers cache them), so
-the figure is steady-state optimisation throughput. The two are timed in
-alternating rounds so that load from other processes hits both alike. The old
-trainer is loaded from git (`git show c12d381:mlx_glimmer/distill/train.py`).
+Every trainer builds a 2-layer drafter for the demo target on the first N
+answers: the old one (MLX, one answer x 32 anchors per step, every emitted
+token in its head), today's on MLX, and today's on torch (transformers'
+assistant class, bfloat16 autocast) when torch is installed. Features are
+computed before timing (every trainer caches them), so the figure is
+steady-state optimisation throughput. They are timed in alternating rounds so
+that load from other processes hits all alike. The old trainer is loaded from
+git (`git show c12d381:mlx_glimmer/distill/train.py`).
 
 Also times the step's dominant kernels (the linear layers and the draft head,
 forward + backward at the step's shapes) in MLX and in torch on this CPU, the
@@ -18,6 +21,7 @@ forward + backward at the step's shapes) in MLX and in torch on this CPU, the
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,17 +50,30 @@ def old_trainer_module():
     return module
 
 
-def timed_steps(trainer, steps: int, next_batch) -> tuple[float, float]:
-    """(supervised positions, seconds) over `steps` optimiser steps."""
+def timed_old_steps(trainer, steps: int) -> tuple[float, float]:
+    """(supervised positions, seconds) over `steps` optimiser steps of the old trainer."""
     positions, seconds = 0.0, 0.0
     for _ in range(steps):
-        inputs = next_batch()
+        if not trainer.order:
+            trainer.order = [int(i) for i in trainer.rng.permutation(len(trainer.sequences))]
+        inputs = trainer.batch(trainer.order.pop())
         tic = time.perf_counter()
         loss, grads = trainer.loss_and_grad(*inputs)
         trainer.optimizer.update(trainer.model, grads)
         mx.eval(loss, trainer.model.parameters(), trainer.optimizer.state)
         seconds += time.perf_counter() - tic
         positions += float(inputs[5].sum().item())
+    return positions, seconds
+
+
+def timed_new_steps(trainer, steps: int) -> tuple[float, float]:
+    positions, seconds = 0.0, 0.0
+    for _ in range(steps):
+        batch = trainer.batch(trainer.next_indices())
+        tic = time.perf_counter()
+        trainer.step_fn(batch)
+        seconds += time.perf_counter() - tic
+        positions += batch.positions
     return positions, seconds
 
 
@@ -109,6 +126,8 @@ def main() -> int:
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--sequences-per-step", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--skip", default="", help="comma-separated backends of today's trainer not to time: mlx, torch")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the MLX/torch kernel comparison")
     ap.add_argument("--out", default="benchmarks/results/trainer_throughput.json")
     args = ap.parse_args()
 
@@ -123,31 +142,27 @@ def main() -> int:
     for i in range(len(old.sequences)):  # its in-memory feature cache, filled before timing
         old.batch(i)
 
-    new_cfg = TrainConfig(layers=2, anchors=args.anchors, sequences_per_step=args.sequences_per_step,
-                          draft_vocab_size=args.draft_vocab, steps=10**6, warmup=10)
-    new = Trainer(pair.target, records, new_cfg, work / "new", mask_token_id=mask)
-    new.features.ensure()
-
-    def old_batch():
-        if not old.order:
-            old.order = [int(i) for i in old.rng.permutation(len(old.sequences))]
-        return old.batch(old.order.pop())
-
-    def new_batch():
-        return new.batch(new.next_indices())
-
-    timed_steps(old, 2, old_batch)  # warm-up (graph building, allocations)
-    timed_steps(new, 2, new_batch)
-    totals = {"old": [0.0, 0.0], "new": [0.0, 0.0]}
+    trainers = {"old": (old, timed_old_steps)}
+    skip = args.skip.split(",")
+    for backend in [b for b in ("mlx", "torch") if b not in skip and (b == "mlx" or importlib.util.find_spec("torch"))]:
+        cfg = TrainConfig(layers=2, anchors=args.anchors, sequences_per_step=args.sequences_per_step,
+                          draft_vocab_size=args.draft_vocab, steps=10**6, warmup=10, backend=backend)
+        tr = Trainer(pair.target, records, cfg, work / "new", mask_token_id=mask)  # one feature store for both
+        tr.features.ensure()
+        trainers[f"new_{backend}"] = (tr, timed_new_steps)
+    for name, (tr, timed) in trainers.items():
+        timed(tr, 2)  # warm-up (graph building, allocations)
+    totals = {name: [0.0, 0.0] for name in trainers}
     for r in range(args.rounds):
-        for name, trainer, nb in (("old", old, old_batch), ("new", new, new_batch)):
-            p, s = timed_steps(trainer, args.steps, nb)
+        for name, (tr, timed) in trainers.items():
+            p, s = timed(tr, args.steps if name != "old" else args.steps * args.sequences_per_step)
             totals[name][0] += p
             totals[name][1] += s
             print(f"round {r + 1}/{args.rounds} {name}: {p / s:.0f} block positions/s", file=sys.stderr, flush=True)
     rate = {k: p / s for k, (p, s) in totals.items()}
-    rows = args.anchors * args.sequences_per_step * (new_cfg.block_size - 1)
-    kernels = [kernel_comparison(rows, pair.target.hidden_size, int(pair.target.args.intermediate_size), v)
+    new = trainers["new_mlx"][0] if "new_mlx" in trainers else trainers["new_torch"][0]
+    rows = args.anchors * args.sequences_per_step * (new.config.block_size - 1)
+    kernels = [] if args.no_kernels else [kernel_comparison(rows, pair.target.hidden_size, int(pair.target.args.intermediate_size), v)
                for v in (int(old.draft_vocab.shape[0]), int(new.draft_vocab.shape[0]))]
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
@@ -156,8 +171,9 @@ def main() -> int:
                 "draft_vocab": int(old.draft_vocab.shape[0]), "block_positions_per_second": rate["old"]},
         "new": {"config": f"2 layers, {args.sequences_per_step} answers x {args.anchors} anchors per step, draft vocab top {args.draft_vocab}",
                 "draft_vocab": int(new.draft_vocab.shape[0]), "vocab_coverage": new.vocab_coverage,
-                "block_positions_per_second": rate["new"]},
-        "speedup": rate["new"] / rate["old"],
+                **{f"block_positions_per_second_{k[4:]}": v for k, v in rate.items() if k.startswith("new_")}},
+        "speedup": {k[4:]: v / rate["old"] for k, v in rate.items() if k.startswith("new_")},
+        "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
         "kernels_mlx_vs_torch": kernels,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

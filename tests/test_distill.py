@@ -5,6 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_glimmer
 from mlx_glimmer.drafter import DFlashDrafter, dflash_target_layer_ids, load_dflash_model
@@ -31,7 +32,7 @@ def records(llama_pair):
 
 def make_trainer(llama_pair, records, tmp_path, **kw):
     cfg = TrainConfig(layers=kw.pop("layers", 1), context_layers=3, anchors=8, steps=kw.pop("steps", 60), warmup=5, eval_every=10**9,
-                      checkpoint_every=kw.pop("checkpoint_every", 30), learning_rate=3e-3, **kw)
+                      checkpoint_every=kw.pop("checkpoint_every", 30), learning_rate=3e-3, compile=False, **kw)
     return Trainer(llama_pair.target, records, cfg, tmp_path / "run", mask_token_id=259)
 
 
@@ -57,21 +58,42 @@ def test_training_lowers_the_loss_and_raises_acceptance_on_its_data(llama_pair, 
     tr = make_trainer(llama_pair, records, tmp_path, steps=500, layers=2)
     prompts = [r["prompt_ids"] for r in records]
     before = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
-    first = [tr.loss(*tr.batch(i)).item() for i in range(len(records))]
+    first = [tr.step_fn.loss(tr.batch(i)) for i in range(len(records))]
     tr.train()
-    after_loss = [tr.loss(*tr.batch(i)).item() for i in range(len(records))]
+    after_loss = [tr.step_fn.loss(tr.batch(i)) for i in range(len(records))]
     after = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
     print(f"loss {np.mean(first):.2f} -> {np.mean(after_loss):.2f}; acceptance on training prompts {before:.2f} -> {after:.2f}")
     assert np.mean(after_loss) < 0.7 * np.mean(first)
     assert after > before + 0.3
 
 
-def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path):
-    full = make_trainer(llama_pair, records, tmp_path / "a", steps=40, checkpoint_every=20)
+def test_torch_step_computes_the_mlx_step_loss_and_gradient_direction(llama_pair, records, tmp_path):
+    pytest.importorskip("transformers")
+    mlx_tr = make_trainer(llama_pair, records, tmp_path / "m", sequences_per_step=3)
+    torch_tr = make_trainer(llama_pair, records, tmp_path / "t", sequences_per_step=3, backend="torch")
+    torch_tr.step_fn.autocast = False  # float32: the two must agree to rounding
+    batch = mlx_tr.batch([0, 2, 5])
+    assert batch.valid.sum() > 0 and (batch.valid[:, :, 0] == 0).any() == (len(records[2]["response_ids"]) < 9)
+    np.testing.assert_allclose(torch_tr.step_fn.loss(batch), mlx_tr.step_fn.loss(batch), rtol=1e-4)
+    for _ in range(3):
+        mlx_tr.step_fn(batch)
+        torch_tr.step_fn(batch)
+    torch_tr.step_fn.sync()
+    np.testing.assert_allclose(torch_tr.step_fn.loss(batch), mlx_tr.step_fn.loss(batch), rtol=1e-3)
+    moved = {k: v for k, v in tree_flatten(torch_tr.model.parameters())}
+    start = dict(tree_flatten(make_trainer(llama_pair, records, tmp_path / "s").model.parameters()))
+    assert any(float(mx.abs(moved[k] - start[k]).max()) > 0 for k in start if k != "draft_vocab")
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
+    if backend == "torch":
+        pytest.importorskip("transformers")
+    full = make_trainer(llama_pair, records, tmp_path / "a", steps=40, checkpoint_every=20, backend=backend)
     full.train()
-    part = make_trainer(llama_pair, records, tmp_path / "b", steps=40, checkpoint_every=20)
+    part = make_trainer(llama_pair, records, tmp_path / "b", steps=40, checkpoint_every=20, backend=backend)
     part.train(until=20)  # interrupted after its first checkpoint
-    resumed = make_trainer(llama_pair, records, tmp_path / "c", steps=40, checkpoint_every=20)
+    resumed = make_trainer(llama_pair, records, tmp_path / "c", steps=40, checkpoint_every=20, backend=backend)
     assert resumed.resume(tmp_path / "b" / "run" / "checkpoint") and resumed.step == 20
     resumed.train()
     a = dict(mx.load(str(tmp_path / "a" / "run" / "checkpoint" / "model.safetensors")))

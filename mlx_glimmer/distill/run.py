@@ -68,6 +68,10 @@ def add_distill_parser(sub) -> None:
                    help="draft vocabulary: the N tokens the target emits most (default: every emitted token)")
     p.add_argument("--init", default="random",
                    help="warm start: random (default), target (copy the target's last layers), or a drafter directory")
+    p.add_argument("--train-backend", choices=["auto", "mlx", "torch"], default="auto",
+                   help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
+                        "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
+                        "Linux when installed, mlx elsewhere")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
@@ -77,13 +81,18 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
 
 
-def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
+def pick_backend(kind: str, flag: str) -> str:
+    """auto: torch on Linux when installed (fastest on a CPU here), mlx elsewhere."""
     if kind == "auto":
-        kind = "torch" if sys.platform == "linux" and importlib.util.find_spec("torch") else "mlx"
-    if kind == "mlx":
+        return "torch" if sys.platform == "linux" and importlib.util.find_spec("torch") else "mlx"
+    if kind == "torch" and importlib.util.find_spec("torch") is None:
+        raise GlimmerError(f"{flag} torch: torch is not installed (pip install torch)")
+    return kind
+
+
+def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
+    if pick_backend(kind, "--generator") == "mlx":
         return MLXAnswerer(pair.target.model, pair.tokenizer)
-    if importlib.util.find_spec("torch") is None:
-        raise GlimmerError("--generator torch: torch is not installed (pip install torch)")
     return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads, dtype=dtype)
 
 
@@ -173,7 +182,7 @@ def cmd_distill(args, open_pair) -> int:
     config = TrainConfig(
         layers=args.layers, context_layers=args.context_layers, anchors=args.anchors, steps=args.steps,
         sequences_per_step=args.sequences_per_step, draft_vocab_size=args.draft_vocab, init=args.init,
-        learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed,
+        learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed, backend=pick_backend(args.train_backend, "--train-backend"),
     )
     trainer = Trainer(target, records, config, out, mask_token_id=mask)
     if trainer.resume(out / "checkpoint"):

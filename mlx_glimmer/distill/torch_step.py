@@ -1,0 +1,138 @@
+"""The training step on torch: transformers' `MuseGlimmerAssistantModel` under bfloat16 autocast.
+
+The model is transformers' own assistant class (the one the torch backend drafts
+with), fed the whole step at once: each answer is a batch row whose queries are
+its A blocks side by side, whose keys are [its context ; its A blocks], with
+position ids [0..T-1 ; a..a+B-1 per block]. Block j sees context positions
+< a_j and its own block only: `block_attention`, registered with transformers'
+`AttentionInterface`, computes just those scores (queries x context, and B x B
+inside each block) instead of a dense masked [A*B, T + A*B] attention, which
+spent ~75% of its work on masked block pairs. That is exactly
+`train.block_forward`'s attention, which a test checks.
+
+The weights start from, and are copied back into, the MLX drafter (`sync`), so
+evaluation, checkpoints and export are the MLX trainer's. Master weights and
+AdamW state stay float32; matmuls run in bfloat16 where the CPU has AVX-512
+bf16/AMX (`dtype="float32"` turns autocast off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mlx.utils import tree_flatten
+
+from ..drafter import DFlashModel, DrafterConfig
+from .train import Batch, TrainConfig, learning_rate
+
+
+def context_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[S, 1, A, 1, T] bool: block j's queries see the context positions < anchors[:, j]."""
+    return (torch.arange(context_len) < anchors[:, :, None])[:, None, :, None, :]
+
+
+def block_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention for DFlash training blocks. query [S, Hq, A*B, D]; key, value [S, Hkv, T + A*B, D] (context,
+    then the blocks); attention_mask: `context_mask`. Returns ([S, A*B, Hq, D], None) as transformers expects."""
+    S, Hq, Q, D = query.shape
+    A = attention_mask.shape[2]
+    B, T = Q // A, key.shape[2] - Q
+    groups = Hq // key.shape[1]
+    q = query.view(S, key.shape[1], groups, A, B, D)  # heads grouped by their key/value head
+    k_ctx, v_ctx = key[:, :, None, :T], value[:, :, None, :T]  # [S, Hkv, 1, T, D]
+    k_blk = key[:, :, T:].view(S, key.shape[1], 1, A, B, D)
+    v_blk = value[:, :, T:].view(S, key.shape[1], 1, A, B, D)
+    ctx_scores = (q.flatten(3, 4) @ k_ctx.transpose(-1, -2)).view(S, key.shape[1], groups, A, B, T) * scaling
+    ctx_scores = ctx_scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
+    blk_scores = (q @ k_blk.transpose(-1, -2)) * scaling  # [S, Hkv, g, A, B, B]
+    p = torch.softmax(torch.cat([ctx_scores, blk_scores], dim=-1).float(), dim=-1).to(value.dtype)
+    out = (p[..., :T].flatten(3, 4) @ v_ctx).view(S, key.shape[1], groups, A, B, D) + p[..., T:] @ v_blk
+    return out.reshape(S, Hq, Q, D).transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("drafter_blocks", block_attention)
+
+
+class TorchStep:
+    def __init__(self, model: DFlashModel, drafter_config: DrafterConfig, head: mx.array, embed, config: TrainConfig,
+                 dtype: str = "bfloat16", compile: bool = False):
+        from transformers import MuseGlimmerAssistantModel
+
+        from ..torch_backend.loading import assistant_config
+
+        self.mlx_model, self.embed, self.config = model, embed, config
+        self.autocast = dtype == "bfloat16"
+        _register()
+        self.net = MuseGlimmerAssistantModel._from_config(assistant_config(drafter_config), attn_implementation="drafter_blocks")
+        self.net.train()
+        self._load_from_mlx()
+        self.forward = torch.compile(self._forward, dynamic=True) if compile else self._forward
+        self.head = torch.from_numpy(np.array(head.astype(mx.float32)))  # [Vd, H], frozen
+        self.position_weights = torch.exp(-torch.arange(config.block_size - 1, dtype=torch.float32) / config.gamma)
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=config.learning_rate,
+                                           weight_decay=config.weight_decay, fused=True)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: learning_rate(step, config) / config.learning_rate)
+
+    def _mlx_weights(self) -> dict[str, mx.array]:
+        return {k: v for k, v in tree_flatten(self.mlx_model.parameters()) if k != "draft_vocab"}
+
+    def _load_from_mlx(self) -> None:
+        state = {k: torch.from_numpy(np.array(v.astype(mx.float32))) for k, v in self._mlx_weights().items()}
+        missing, unexpected = self.net.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("inv_freq")]
+        if missing or unexpected:
+            raise RuntimeError(f"MLX drafter and transformers' assistant differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        S, A, B = batch.block_ids.shape
+        T = batch.ctx.shape[1]
+        noise = torch.from_numpy(np.array(self.embed(mx.array(batch.block_ids.reshape(S, A * B))).astype(mx.float32)))
+        anchors = torch.from_numpy(batch.anchors)
+        block_positions = (anchors[:, :, None] + torch.arange(B)).reshape(S, A * B)
+        position_ids = torch.cat([torch.arange(T).expand(S, T), block_positions], dim=1)
+        mask = context_mask(anchors, T, B)
+        context = torch.from_numpy(batch.ctx).to(torch.bfloat16 if self.autocast else torch.float32)
+        return self.forward(noise, context, position_ids, mask, torch.from_numpy(batch.labels), torch.from_numpy(batch.valid))
+
+    def _forward(self, noise, context, position_ids, mask, labels, valid) -> torch.Tensor:
+        S, A, _ = labels.shape
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            h = self.net(noise_embeds=noise, context_hidden_states=context, position_ids=position_ids,
+                         attention_mask={"full_attention": mask, "sliding_attention": mask}).last_hidden_state
+            logits = h.reshape(S, A, self.config.block_size, -1)[:, :, 1:] @ self.head.T  # [S, A, B-1, Vd]
+        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none")
+        w = (self.position_weights * valid).flatten()
+        return (ce * w).sum() / w.sum().clamp(min=1.0)
+
+    def __call__(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(batch)
+        loss.backward()
+        self.optimizer.step()
+        self.schedule.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> float:
+        return float(self._loss(batch))
+
+    def sync(self) -> None:
+        state = self.net.state_dict()
+        self.mlx_model.load_weights([(k, mx.array(state[k].float().numpy())) for k in self._mlx_weights()], strict=False)
+
+    def save_optimizer(self, path: Path) -> None:
+        torch.save({"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}, path / "optimizer.pt")
+
+    def load_optimizer(self, path: Path) -> None:
+        self._load_from_mlx()
+        saved = torch.load(path / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.schedule.load_state_dict(saved["schedule"])
