@@ -113,3 +113,18 @@ def test_saved_drafter_loads_and_stays_lossless(llama_pair, records, tmp_path):
     spec = mlx_glimmer.generate(pair, prompt, max_tokens=60)
     sampled = mlx_glimmer.generate(pair, prompt, max_tokens=30, temperature=0.8, seed=3)
     assert spec.token_ids == plain.token_ids and len(sampled.token_ids) > 0
+
+
+def test_torch_features_match_the_mlx_targets(llama_pair, records, tmp_path):
+    pytest.importorskip("transformers")
+    from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures
+
+    sequences = [r["prompt_ids"] + r["response_ids"] for r in records[:4]]
+    layers = (1, 3, 4)
+    mlx_source = MLXFeatures(llama_pair.target)
+    torch_source = TorchFeatures(llama_pair.target_path, batch_tokens=300, dtype="float32")  # same weights, same layers
+    mlx_source.capture(layers)
+    torch_source.capture(layers)
+    for a, b in zip(mlx_source(sequences), torch_source(sequences)):
+        assert a.shape == b.shape == (a.shape[0], 3 * llama_pair.target.hidden_size)
+        np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), atol=1e-2, rtol=1e-3)

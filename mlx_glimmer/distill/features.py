@@ -9,8 +9,15 @@ computed once, in order, and stored as one float16 memmap:
     DIR/features.json    layer ids, sequence lengths, how many sequences are done
 
 Disk bound: tokens x k x H x 2 bytes (SmolLM2 with 5 context layers: 5.8 KB
-per token, 8.6 GB for 1.5M tokens); memory: one sequence at a time (the OS
-pages the memmap). Interrupted runs resume at the first sequence not done.
+per token, 8.6 GB for 1.5M tokens); memory: one chunk of sequences at a time
+(the OS pages the memmap). Interrupted runs resume at the first chunk not done.
+
+Who computes them is a `FeatureSource`: the MLX target itself, one sequence at
+a time (`mlx_features`, float32: what the drafter sees at inference), or the
+same weights on torch in batches under bfloat16 (`torch_backend`'s
+`TorchTarget.features`): on a CPU with AMX that is the difference between
+hours and minutes for a million tokens, at the cost of bfloat16 rounding in the
+training inputs only.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -32,10 +40,69 @@ def target_features(target: Target, ids: list[int]) -> mx.array:
     return feats.astype(mx.float16)
 
 
+class FeatureSource(Protocol):
+    name: str  # recorded with the features: a store computed by another source is recomputed
+    chunk: int  # sequences per call
+
+    def __call__(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """[L_i, k*H] float16 features of each whole sequence (the layers given to `capture`)."""
+
+    def capture(self, layer_ids: tuple[int, ...]) -> None: ...
+
+
+class MLXFeatures:
+    name, chunk = "mlx float32", 1
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def capture(self, layer_ids) -> None:
+        self.target.capture(tuple(layer_ids))
+
+    def __call__(self, sequences):
+        return [np.asarray(target_features(self.target, s)) for s in sequences]
+
+
+class TorchFeatures:
+    """The bundle's target on torch (CPU, bfloat16), several sequences per forward, sorted by length."""
+
+    chunk = 64
+
+    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16"):
+        import torch
+
+        from ..torch_backend.loading import load_torch
+
+        self.name = f"torch {dtype}"
+        self.target = load_torch(target=target_path, use_drafter=False, device="cpu", dtype=getattr(torch, dtype)).target
+        self.batch_tokens = batch_tokens
+
+    def capture(self, layer_ids) -> None:
+        self.target.capture(tuple(layer_ids))
+
+    def __call__(self, sequences):
+        import torch
+
+        out: list = [None] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= self.batch_tokens:
+                end += 1
+            group = order[start:end]
+            for i, f in zip(group, self.target.features([sequences[i] for i in group])):
+                out[i] = f.to(dtype=torch.float16).numpy()
+            start = end
+        return out
+
+
 class FeatureStore:
-    def __init__(self, directory: Path, target: Target, sequences: list[list[int]], layer_ids: list[int]):
+    def __init__(self, directory: Path, target: Target, sequences: list[list[int]], layer_ids: list[int],
+                 source: FeatureSource | None = None):
         self.directory = Path(directory)
         self.target = target
+        self.source = source or MLXFeatures(target)
         self.sequences = sequences
         self.layer_ids = list(layer_ids)
         self.lengths = [len(s) for s in sequences]
@@ -52,27 +119,29 @@ class FeatureStore:
         if not self.meta_path.is_file() or not self.data_path.is_file():
             return 0
         meta = json.loads(self.meta_path.read_text())
-        same = meta.get("layer_ids") == self.layer_ids and meta.get("lengths") == self.lengths
+        same = (meta.get("layer_ids") == self.layer_ids and meta.get("lengths") == self.lengths
+                and meta.get("source", MLXFeatures.name) == self.source.name)
         return int(meta["done"]) if same else 0
 
     def _save_meta(self) -> None:
         self.data.flush()
         tmp = self.meta_path.with_suffix(".partial")
-        tmp.write_text(json.dumps({"layer_ids": self.layer_ids, "lengths": self.lengths, "done": self.done}))
+        tmp.write_text(json.dumps({"layer_ids": self.layer_ids, "lengths": self.lengths, "done": self.done, "source": self.source.name}))
         tmp.rename(self.meta_path)
 
     def ensure(self, log=sys.stderr, every_s: float = 30.0) -> None:
         """Compute the features of every sequence not done yet (resumable)."""
         if self.done >= len(self.sequences):
             return
-        self.target.capture(tuple(self.layer_ids))
+        self.source.capture(tuple(self.layer_ids))
         tic = last = time.perf_counter()
         start, tokens = self.done, 0
-        for i in range(self.done, len(self.sequences)):
-            feats = target_features(self.target, self.sequences[i])
-            self.data[self.offsets[i] : self.offsets[i + 1]] = np.asarray(feats)
-            tokens += self.lengths[i]
-            self.done = i + 1
+        while self.done < len(self.sequences):
+            i, j = self.done, min(self.done + self.source.chunk, len(self.sequences))
+            for k, feats in zip(range(i, j), self.source(self.sequences[i:j])):
+                self.data[self.offsets[k] : self.offsets[k + 1]] = feats
+            tokens += int(self.offsets[j] - self.offsets[i])
+            self.done = j
             if time.perf_counter() - last > every_s or self.done == len(self.sequences):
                 self._save_meta()
                 last = time.perf_counter()

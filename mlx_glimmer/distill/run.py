@@ -184,7 +184,12 @@ def cmd_distill(args, open_pair) -> int:
         sequences_per_step=args.sequences_per_step, draft_vocab_size=args.draft_vocab, init=args.init,
         learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed, backend=pick_backend(args.train_backend, "--train-backend"),
     )
-    trainer = Trainer(target, records, config, out, mask_token_id=mask)
+    source = None
+    if config.backend == "torch":  # the torch step's features come from torch too (batched, bfloat16: minutes, not hours)
+        from .features import TorchFeatures
+
+        source = TorchFeatures(pair.target_path)
+    trainer = Trainer(target, records, config, out, mask_token_id=mask, feature_source=source)
     if trainer.resume(out / "checkpoint"):
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
     eval_ids = [chat_prompt_ids(tok, p) for p in heldout[: args.eval_prompts]]

@@ -48,7 +48,7 @@ from mlx.utils import tree_flatten
 from ..drafter import DFlashModel, DrafterConfig, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
-from .features import FeatureStore, target_features  # noqa: F401  (re-exported for tests and scripts)
+from .features import FeatureSource, FeatureStore, target_features  # noqa: F401  (re-exported for tests and scripts)
 
 
 @dataclass
@@ -190,7 +190,8 @@ def copy_target_layers(model: DFlashModel, target: Target) -> None:
 
 
 class Trainer:
-    def __init__(self, target: Target, records: list[dict], config: TrainConfig, out_dir: Path, *, mask_token_id: int, log=sys.stderr):
+    def __init__(self, target: Target, records: list[dict], config: TrainConfig, out_dir: Path, *, mask_token_id: int,
+                 feature_source: FeatureSource | None = None, log=sys.stderr):
         self.target = target
         self.config = config
         self.out_dir = Path(out_dir)
@@ -214,7 +215,8 @@ class Trainer:
         self.embed = target.model.model.embed_tokens
         self.step = 0
         self.order: list[int] = []  # sequences left in this epoch
-        self.features = FeatureStore(self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids)
+        self.features = FeatureStore(self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids,
+                                     feature_source)
         if config.backend == "mlx":
             self.step_fn: TrainStep = MLXStep(self.model, self.head, self.embed, config)
         elif config.backend == "torch":

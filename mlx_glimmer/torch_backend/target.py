@@ -115,6 +115,21 @@ class TorchTarget:
             self._recording = None
         return out.last_hidden_state[0], feats
 
+    @torch.inference_mode()
+    def features(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """The captured layers' outputs for several whole sequences in one batched forward: one [L_i, k*H] each.
+
+        Rows are right-padded: under causal attention a real position never sees the padding after it."""
+        width = max(len(s) for s in sequences)
+        ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences], device=self.device)
+        self._recording = {}
+        try:
+            self.decoder(input_ids=ids, use_cache=False)
+            feats = torch.cat([self._recording[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._recording = None
+        return [feats[r, : len(s)] for r, s in enumerate(sequences)]
+
     def head_rows(self, ids: torch.Tensor):
         """The output head over the vocabulary rows `ids` only (a distilled drafter's draft vocabulary)."""
         rows = self.lm_head.weight[ids]
