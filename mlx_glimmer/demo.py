@@ -11,6 +11,7 @@ quantized weights are slow) and in 4-bit on Apple silicon.
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import platform
@@ -67,8 +68,26 @@ def build_demo(out: Path | None = None, *, bits: int | None = None, dtype: str |
 
 
 def demo_bundle() -> Path:
-    """The demo bundle's path, built on first use."""
+    """The demo bundle's path, built on first use; a cached bundle gets the shipped drafter if it has another."""
     path = cache_dir() / "demo"
     if (path / "glimmer.json").is_file():
+        refresh_drafter(path)
         return path
     return build_demo(path)
+
+
+def refresh_drafter(bundle: Path) -> bool:
+    """Replace the bundle's drafter with the shipped one when their weights differ (a package upgrade shipped a
+    better drafter). The copy is made beside it and swapped in, so an interruption leaves the old one whole."""
+    shipped, current = SHIPPED_DRAFTER / "model.safetensors", bundle / "drafter" / "model.safetensors"
+    if not shipped.is_file() or not current.is_file() or filecmp.cmp(shipped, current, shallow=False):
+        return False
+    staged, old = bundle / "drafter.partial", bundle / "drafter.old"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.copytree(SHIPPED_DRAFTER, staged)
+    (bundle / "drafter").rename(old)
+    staged.rename(bundle / "drafter")
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"demo: updated the drafter in {bundle} to the one this version ships", file=sys.stderr)
+    return True

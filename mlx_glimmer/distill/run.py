@@ -79,6 +79,9 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--mask-token", type=int, default=None, help="mask token id (default: an unused special token)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
+    p.add_argument("--train-only", action="store_true",
+                   help="generate nothing: train on the answers already in OUT/data (for example while a partial "
+                        "data set is all the time allows); the prompt list must already be there")
 
 
 def pick_backend(kind: str, flag: str) -> str:
@@ -155,17 +158,29 @@ def cmd_distill(args, open_pair) -> int:
     except ValueError:
         raise GlimmerError(f"--temperatures: {args.temperatures!r} is not a comma-separated list of numbers") from None
 
-    answer = make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
-    train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
+    if args.data_only and args.train_only:
+        raise GlimmerError("--data-only and --train-only exclude each other")
     data = out / "data" / "responses.jsonl"
+    if args.train_only:
+        for needed in [data] + ([out / "data" / "prompts.jsonl"] if args.prompts == "synth" else []):
+            if not needed.is_file():
+                raise GlimmerError(f"--train-only: {needed} does not exist (generate answers first)")
+        answer = None
+    else:
+        answer = make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
+    train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
     tags = []
     for i, t in enumerate(temps):
         tags.append("greedy" if t == 0 else f"t{t}")
+        if args.train_only:
+            continue
         generate_responses(
             answer, tok, train_prompts, data, batch_size=args.batch_size, max_tokens=args.answer_tokens,
             temperature=t, seed=args.seed + 1000 * i, tag=tags[-1],
         )
-    if args.follow_ups:
+    if args.follow_ups and args.train_only:
+        tags.append("followup")
+    elif args.follow_ups:
         first = [r for r in read_records(data) if r["tag"] == tags[0]]
         generate_responses(
             answer, tok, follow_up_conversations(first, train_prompts, tok, args.follow_ups, args.seed), data,
@@ -199,6 +214,8 @@ def cmd_distill(args, open_pair) -> int:
         command=" ".join(sys.argv), answers=len(records), target_tokens=n_tokens, draft_vocab=int(trainer.draft_vocab.shape[0]),
         config=vars(config), mask_token_id=mask, target_layer_ids=trainer.drafter_config.target_layer_ids,
         draft_vocab_coverage=trainer.vocab_coverage,
+        eval={"prompts": len(eval_ids), "max_tokens": args.eval_tokens, "block_size": 16, "sampling": "greedy",
+              "chat_template": True},
     )
 
     def evaluate(tr: Trainer) -> float:
