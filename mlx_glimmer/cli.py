@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import GlimmerError
 
@@ -371,8 +372,14 @@ def cmd_parity(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import build_demo, cache_dir
+    from .demo import build_demo, cache_dir, refresh_drafter
 
+    existing = Path(args.out or cache_dir() / "demo")
+    if not args.force and (existing / "glimmer.json").is_file() and (existing / "drafter").is_dir() and not args.no_drafter:
+        if not refresh_drafter(existing):
+            print(f"demo: bundle already at {existing}, drafter up to date (--force rebuilds it)", file=sys.stderr)
+        print(existing)
+        return 0
     out = build_demo(args.out or cache_dir() / "demo", bits=args.bits, dtype=args.dtype, force=args.force,
                      with_drafter=not args.no_drafter)
     print(out)
