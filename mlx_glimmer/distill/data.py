@@ -51,6 +51,18 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def drop_partial_line(path: Path) -> None:
+    """Cut a JSONL file back to its last complete line (what an interrupted append leaves), so the next append
+    starts a line of its own."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_records(path: Path) -> list[dict]:
     if not Path(path).exists():
         return []
@@ -140,6 +152,7 @@ def generate_responses(
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    drop_partial_line(out_path)
     done = {(r["index"], r["tag"]) for r in read_records(out_path)}
     todo = [i for i in range(len(prompts)) if (i, tag) not in done]
     encoded = {i: chat_prompt_ids(tokenizer, prompts[i]) for i in todo}
@@ -173,6 +186,7 @@ def self_instructions(
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    drop_partial_line(out_path)
     have = [r["prompt"] for r in read_records(out_path)]
     while len(have) < count:
         n = min(batch_size, count - len(have))

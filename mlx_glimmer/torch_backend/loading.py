@@ -141,8 +141,10 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
 
     path = Path(path)
     _check_model_dir(path, "drafter")
-    if drafter_kind(path) != "dflash":
-        raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is a causal LM)")
+    kind = drafter_kind(path)
+    if kind != "dflash":
+        what = "a draft model (causal LM)" if kind == "draft-model" else f"a {kind} drafter"
+        raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is {what}); use --backend mlx")
     cfg = checked_dflash_config(path, target)
     quant = json.loads((path / "config.json").read_text()).get("quantization")  # valid: checked above
     raw = W.dequantize(DFlashModel.sanitize(read_weights(path, "drafter")), quant, path)

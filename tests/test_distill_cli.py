@@ -1,0 +1,80 @@
+"""`mlx-glimmer distill` end to end on a tiny target: answers, resuming after an interruption, training on the
+answers already there, the exported drafter, and one `error:` line for contradictory flags."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mlx_glimmer
+
+PROMPTS = [f"Tell me fact number {i} about the sea." for i in range(6)]
+
+
+def distill(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "distill", *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture()
+def prompt_files(tmp_path):
+    train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    heldout.write_text(json.dumps({"prompt": "What colour is the sky at noon?"}) + "\n")
+    return ["--prompts", train, "--heldout", heldout]
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "data" / "responses.jsonl").read_text().splitlines()]
+
+
+def test_answers_resume_after_an_interrupted_append(checkpoints, prompt_files, tmp_path):
+    run = tmp_path / "run"
+    common = [checkpoints["llama"], "--out", run, *prompt_files, "--generator", "mlx", "--answer-tokens", 10,
+              "--batch-size", 2, "--temperatures", "0,0.8", "--data-only"]
+    first = distill(*common)
+    assert first.returncode == 0, first.stderr
+    full = records(run)
+    assert sorted((r["index"], r["tag"]) for r in full) == sorted((i, t) for i in range(6) for t in ("greedy", "t0.8"))
+    assert all(r["response_ids"] and len(r["response_ids"]) <= 10 for r in full)
+
+    lines = (run / "data" / "responses.jsonl").read_text().splitlines(keepends=True)
+    (run / "data" / "responses.jsonl").write_text("".join(lines[:5]) + lines[5][: len(lines[5]) // 2])  # killed mid-write
+    again = distill(*common)
+    assert again.returncode == 0, again.stderr
+    resumed = records(run)  # every line parses: the cut line was dropped, not appended to
+    assert sorted((r["index"], r["tag"]) for r in resumed) == sorted((r["index"], r["tag"]) for r in full)
+    greedy = {r["index"]: r["response_ids"] for r in full if r["tag"] == "greedy"}
+    assert all(greedy[r["index"]] == r["response_ids"] for r in resumed if r["tag"] == "greedy")
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkpoints, prompt_files, tmp_path, backend):
+    if backend == "torch":
+        pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    data = distill(checkpoints["llama"], "--out", run, *prompt_files, "--generator", "mlx", "--answer-tokens", 24,
+                   "--batch-size", 3, "--data-only")
+    assert data.returncode == 0, data.stderr
+    before = (run / "data" / "responses.jsonl").read_bytes()
+    train = distill(checkpoints["llama"], "--out", run, *prompt_files, "--train-only", "--train-backend", backend,
+                    "--layers", 1, "--context-layers", 3, "--anchors", 4, "--sequences-per-step", 2, "--steps", 6,
+                    "--eval-every", 3, "--eval-prompts", 1, "--eval-tokens", 8, "--mask-token", 259)
+    assert train.returncode == 0, train.stderr
+    assert (run / "data" / "responses.jsonl").read_bytes() == before  # nothing generated
+    log = json.loads((run / "log.json").read_text())
+    assert [e["step"] for e in log["evaluations"]] == [3, 6] and log["config"]["backend"] == backend
+    assert log["answers"] == 6 and log["eval"]["block_size"] == 16
+    pair = mlx_glimmer.load(target=checkpoints["llama"], drafter=run / "drafter")
+    prompt = [256] + list(b"a prompt never seen")
+    assert mlx_glimmer.generate(pair, prompt, max_tokens=40).token_ids == \
+        mlx_glimmer.generate(pair, prompt, max_tokens=40, speculative=False).token_ids
+
+
+def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt_files, tmp_path):
+    both = distill(checkpoints["llama"], "--out", tmp_path / "a", *prompt_files, "--data-only", "--train-only")
+    nothing = distill(checkpoints["llama"], "--out", tmp_path / "b", *prompt_files, "--train-only")
+    for proc, needle in ((both, "--data-only and --train-only"), (nothing, "responses.jsonl")):
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
