@@ -72,6 +72,8 @@ def add_distill_parser(sub) -> None:
                    help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
                         "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
                         "Linux when installed, mlx elsewhere")
+    p.add_argument("--no-compile", action="store_true",
+                   help="torch backend: skip torch.compile (it costs a minute or two once and then ~halves step time)")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
@@ -198,6 +200,7 @@ def cmd_distill(args, open_pair) -> int:
         layers=args.layers, context_layers=args.context_layers, anchors=args.anchors, steps=args.steps,
         sequences_per_step=args.sequences_per_step, draft_vocab_size=args.draft_vocab, init=args.init,
         learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed, backend=pick_backend(args.train_backend, "--train-backend"),
+        compile=not args.no_compile,
     )
     source = None
     if config.backend == "torch":  # the torch step's features come from torch too (batched, bfloat16: minutes, not hours)
