@@ -7,7 +7,7 @@ per `--eval-every` steps (held-out prompts, chat template, greedy, block 16:
 tokens committed per target forward, measured with the real speculative loop).
 Writes OUT.json (every run's settings and points) and OUT.png (two panels:
 acceptance vs target tokens seen, acceptance vs optimiser steps). Needs
-matplotlib for the PNG (`pip install matplotlib`).
+matplotlib for the PNG (`pip install -e ".[bench]"`).
 """
 
 import argparse
