@@ -13,7 +13,7 @@ per token, 8.6 GB for 1.5M tokens); memory: one chunk of sequences at a time
 (the OS pages the memmap). Interrupted runs resume at the first chunk not done.
 
 Who computes them is a `FeatureSource`: the MLX target itself, one sequence at
-a time (`mlx_features`, float32: what the drafter sees at inference), or the
+a time (`MLXFeatures`, float32: what the drafter sees at inference), or the
 same weights on torch in batches under bfloat16 (`torch_backend`'s
 `TorchTarget.features`): on a CPU with AMX that is the difference between
 hours and minutes for a million tokens, at the cost of bfloat16 rounding in the

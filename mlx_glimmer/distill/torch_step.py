@@ -30,7 +30,7 @@ from ..drafter import DFlashModel, DrafterConfig
 from .train import Batch, TrainConfig, learning_rate
 
 
-def context_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def context_mask(anchors: torch.Tensor, context_len: int) -> torch.Tensor:
     """[S, 1, A, 1, T] bool: block j's queries see the context positions < anchors[:, j]."""
     return (torch.arange(context_len) < anchors[:, :, None])[:, None, :, None, :]
 
@@ -98,7 +98,7 @@ class TorchStep:
         anchors = torch.from_numpy(batch.anchors)
         block_positions = (anchors[:, :, None] + torch.arange(B)).reshape(S, A * B)
         position_ids = torch.cat([torch.arange(T).expand(S, T), block_positions], dim=1)
-        mask = context_mask(anchors, T, B)
+        mask = context_mask(anchors, T)
         context = torch.from_numpy(batch.ctx).to(torch.bfloat16 if self.autocast else torch.float32)
         return self.forward(noise, context, position_ids, mask, torch.from_numpy(batch.labels), torch.from_numpy(batch.valid))
 
