@@ -1,8 +1,9 @@
 """Held-out acceptance of distilled drafters against target tokens seen and against steps: JSON + PNG.
 
-    python benchmarks/scaling_curve.py RUN_DIR [RUN_DIR ...] [--out benchmarks/results/scaling_curve]
+    python benchmarks/scaling_curve.py RUN [RUN ...] [--out benchmarks/results/scaling_curve]
 
-Each RUN_DIR is a `mlx-glimmer distill` run; its log.json holds one evaluation
+Each RUN is a `mlx-glimmer distill` run directory or its log.json (kept copies,
+like benchmarks/distill/demo2/run_*.log.json, name the run by file name); the log holds one evaluation
 per `--eval-every` steps (held-out prompts, chat template, greedy, block 16:
 tokens committed per target forward, measured with the real speculative loop).
 Writes OUT.json (every run's settings and points) and OUT.png (two panels:
@@ -16,12 +17,12 @@ import sys
 from pathlib import Path
 
 
-def run_points(run_dir: Path) -> dict:
-    log = json.loads((run_dir / "log.json").read_text())
+def run_points(run: Path) -> dict:
+    log = json.loads((run if run.is_file() else run / "log.json").read_text())
     config = log.get("config", {})
     points = sorted(log["evaluations"], key=lambda e: e["step"])
     return {
-        "run": run_dir.name,
+        "run": run.name.removesuffix(".log.json") if run.is_file() else run.name,
         "command": log.get("command"),
         "answers": log.get("answers"),
         "target_tokens": log.get("target_tokens"),

@@ -1,15 +1,19 @@
 """Supervised block positions per second: the trainer as of commit c12d381 versus today's, same drafter, same data.
 
     python benchmarks/trainer_throughput.py RUN_DIR [--records 48] [--steps 12] [--rounds 3]
-        [--out benchmarks/results/trainer_throughput.json]
+        [--features-dir RUN_DIR/features] [--out benchmarks/results/trainer_throughput.json]
 
 RUN_DIR is a `mlx-glimmer distill` run with answers in RUN_DIR/data/responses.jsonl.
 Every trainer builds a 2-layer drafter for the demo target on the first N
-answers: the old one (MLX, one answer x 32 anchors per step, every emitted
-token in its head), today's on MLX, and today's on torch (transformers'
-assistant class, bfloat16 autocast) when torch is installed. Features are
-computed before timing (every trainer caches them), so the figure is
-steady-state optimisation throughput. They are timed in alternating rounds so
+answers (`--records 0`: all of them, the data a real run trains on): the old
+one (MLX, one answer x 32 anchors per step, every emitted token in its head),
+today's on MLX, and today's on torch (transformers' assistant class, bfloat16
+autocast) when torch is installed. The draft vocabulary depends on the data:
+on 48 answers every emitted token fits in ~1.5k, on the full data the old head
+holds every one of ~19k emitted tokens where today's keeps the top 8,192.
+Features are outside the timer (every trainer caches them), so the figure is
+steady-state optimisation throughput; `--features-dir` reuses the store a
+`distill` run computed for the same answers instead of computing it again. They are timed in alternating rounds so
 that load from other processes hits all alike. The old trainer is loaded from
 git (`git show c12d381:mlx_glimmer/distill/train.py`).
 
@@ -120,7 +124,8 @@ def kernel_comparison(rows: int, hidden: int, inter: int, vocab: int, repeats: i
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
-    ap.add_argument("--records", type=int, default=48)
+    ap.add_argument("--records", type=int, default=48, help="first N answers; 0: all")
+    ap.add_argument("--features-dir", help="a distill run's features/ for the same answers (reused, not recomputed)")
     ap.add_argument("--steps", type=int, default=12, help="steps per round per trainer")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--anchors", type=int, default=64)
@@ -132,22 +137,34 @@ def main() -> int:
     args = ap.parse_args()
 
     pair = mlx_glimmer.load(demo_bundle(), use_drafter=False)
-    records = [r for r in read_records(Path(args.run_dir) / "data" / "responses.jsonl") if len(r["response_ids"]) >= 2][: args.records]
+    records = [r for r in read_records(Path(args.run_dir) / "data" / "responses.jsonl") if len(r["response_ids"]) >= 2]
+    records = records[: args.records or None]
     tokens = sum(len(r["response_ids"]) for r in records)
     mask = int(pair.tokenizer.vocab["<|endoftext|>"]) if "<|endoftext|>" in pair.tokenizer.vocab else 0
     work = Path(tempfile.mkdtemp())
 
     old_mod = old_trainer_module()
     old = old_mod.Trainer(pair.target, records, old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10), work / "old", mask_token_id=mask)
-    for i in range(len(old.sequences)):  # its in-memory feature cache, filled before timing
-        old.batch(i)
+    # (the old trainer computes a sequence's features in batch(), which runs outside its timer)
+    source = None
+    if args.features_dir:
+        meta = json.loads((Path(args.features_dir) / "features.json").read_text())
+        if meta["lengths"] != [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records] or meta["done"] < len(records):
+            sys.exit(f"error: {args.features_dir} holds the features of other answers (or is unfinished); "
+                     "pass the run's own --records, or drop --features-dir")
+        (work / "new").mkdir(parents=True)
+        (work / "new" / "features").symlink_to(Path(args.features_dir).resolve())
+        if meta.get("source", "").startswith("torch"):
+            from mlx_glimmer.distill.features import TorchFeatures
+
+            source = TorchFeatures(pair.target_path)
 
     trainers = {"old": (old, timed_old_steps)}
     skip = args.skip.split(",")
     for backend in [b for b in ("mlx", "torch") if b not in skip and (b == "mlx" or importlib.util.find_spec("torch"))]:
         cfg = TrainConfig(layers=2, anchors=args.anchors, sequences_per_step=args.sequences_per_step,
                           draft_vocab_size=args.draft_vocab, steps=10**6, warmup=10, backend=backend)
-        tr = Trainer(pair.target, records, cfg, work / "new", mask_token_id=mask)  # one feature store for both
+        tr = Trainer(pair.target, records, cfg, work / "new", mask_token_id=mask, feature_source=source)  # one store for both
         tr.features.ensure()
         trainers[f"new_{backend}"] = (tr, timed_new_steps)
     for name, (tr, timed) in trainers.items():

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 import mlx_glimmer
@@ -70,6 +71,24 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     prompt = [256] + list(b"a prompt never seen")
     assert mlx_glimmer.generate(pair, prompt, max_tokens=40).token_ids == \
         mlx_glimmer.generate(pair, prompt, max_tokens=40, speculative=False).token_ids
+
+
+def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_files, tmp_path):
+    run, tuned = tmp_path / "run", tmp_path / "tuned"
+    common = [checkpoints["llama"], *prompt_files, "--layers", 1, "--context-layers", 3, "--anchors", 4,
+              "--sequences-per-step", 2, "--eval-prompts", 1, "--eval-tokens", 8, "--mask-token", 259, "--train-backend", "mlx"]
+    first = distill(*common, "--out", run, "--generator", "mlx", "--answer-tokens", 16, "--batch-size", 3,
+                    "--steps", 4, "--eval-every", 4)
+    assert first.returncode == 0, first.stderr
+    (tuned / "data").mkdir(parents=True)
+    (tuned / "data" / "responses.jsonl").write_bytes((run / "data" / "responses.jsonl").read_bytes())
+    again = distill(*common, "--out", tuned, "--train-only", "--init", run / "drafter", "--steps", 2, "--eval-every", 2)
+    assert again.returncode == 0, again.stderr
+    log = json.loads((tuned / "log.json").read_text())
+    assert [e["step"] for e in log["evaluations"]] == [0, 2] and log["config"]["init"] == str(run / "drafter")
+    init = mx.load(str(run / "drafter" / "model.safetensors"))
+    at_zero = mx.load(str(tuned / "step000000" / "model.safetensors"))  # what step 0 evaluated: the init's weights
+    assert all(mx.array_equal(at_zero[k], v.astype(mx.float32)) for k, v in init.items() if k != "draft_vocab")
 
 
 def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt_files, tmp_path):
