@@ -12,10 +12,9 @@ TRAIN=(--layers 2 --sequences-per-step 4 --anchors 64 --draft-vocab 8192 --steps
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has data; then  # the target's answers: ~4 h of one idle 2-core CPU for all of them (bfloat16 generation)
+  # (the kept data stopped at 1.5M target tokens: every greedy answer, the follow-ups, 1,728 of the 0.8 ones;
+  # generated as greedy + follow-ups first: the same records, in another order)
   mlx-glimmer distill --out runs/demo2 "${DATA[@]}" --batch-size 64 --gen-dtype bfloat16 --data-only
-fi
-if has throughput; then  # old trainer (c12d381) vs today's, MLX and torch, same drafter and answers
-  python benchmarks/trainer_throughput.py runs/demo2 --records 48 --steps 4 --rounds 2
 fi
 if has train; then  # random init vs the target's last two layers, same answers and features
   # (in the 2026-11-30 session the answers stopped at 897k target tokens for time, and run 2 was stopped after
@@ -25,14 +24,24 @@ if has train; then  # random init vs the target's last two layers, same answers 
   ln -sfn ../demo2/data runs/demo2-target/data
   ln -sfn ../demo2/features runs/demo2-target/features
   mlx-glimmer distill --out runs/demo2-target "${DATA[@]}" "${TRAIN[@]}" --init target --train-only
+  # run 3: fine-tune the drafter shipped before, on all 1.5M tokens, 2000 steps
+  mkdir -p runs/demo3
+  ln -sfn ../demo2/data runs/demo3/data
+  mlx-glimmer distill --out runs/demo3 "${DATA[@]}" "${TRAIN[@]}" --steps 2000 --eval-every 500 \
+    --init mlx_glimmer/data/demo_drafter --train-only
+fi
+if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
+  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 3 --rounds 2 \
+    --skip mlx --out benchmarks/results/trainer_throughput_full.json
 fi
 if has curve; then
-  python benchmarks/scaling_curve.py runs/demo2 runs/demo2-target --out benchmarks/results/scaling_curve
+  python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
+    benchmarks/distill/demo2/run_target_init.log.json runs/demo3 --out benchmarks/results/scaling_curve
 fi
 if has ship; then  # the run whose best held-out evaluation is highest
   best=$(python - <<'PY'
 import json
-runs = ["runs/demo2", "runs/demo2-target"]
+runs = ["runs/demo2", "runs/demo2-target", "runs/demo3"]
 print(max(runs, key=lambda r: json.load(open(f"{r}/log.json"))["exported"]["mean_acceptance"]))
 PY
 )
