@@ -85,6 +85,28 @@ def test_torch_step_computes_the_mlx_step_loss_and_gradient_direction(llama_pair
     assert any(float(mx.abs(moved[k] - start[k]).max()) > 0 for k in start if k != "draft_vocab")
 
 
+def test_fused_head_loss_equals_the_plain_weighted_cross_entropy_and_its_gradient():
+    torch = pytest.importorskip("torch")
+    from mlx_glimmer.distill.torch_step import head_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 32, generator=gen, requires_grad=True)
+    head = torch.randn(1000, 32, generator=gen)
+    labels = torch.randint(0, 1000, (300,), generator=gen)
+    weights = torch.rand(300, generator=gen) * (torch.arange(300) % 7 != 0)  # some rows unsupervised
+    fused = head_cross_entropy(h, head, labels, weights)  # one chunk at this vocabulary size
+    (fused * 2.0).backward()
+    grad, h.grad = h.grad.clone(), None
+    plain = (torch.nn.functional.cross_entropy(h @ head.T, labels, reduction="none") * weights).sum()
+    (plain * 2.0).backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, h.grad, rtol=1e-4, atol=1e-5)
+    from mlx_glimmer.distill.torch_step import HeadCrossEntropy
+
+    small = HeadCrossEntropy.apply(h.detach().requires_grad_(), head, labels, weights, 64)  # 5 chunks, last partial
+    torch.testing.assert_close(small, plain, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     if backend == "torch":
