@@ -24,19 +24,21 @@ if has train; then  # random init vs the target's last two layers, same answers 
   ln -sfn ../demo2/data runs/demo2-target/data
   ln -sfn ../demo2/features runs/demo2-target/features
   mlx-glimmer distill --out runs/demo2-target "${DATA[@]}" "${TRAIN[@]}" --init target --train-only
-  # run 3: fine-tune the drafter shipped before, on all 1.5M tokens, 2000 steps
+  # run 3: fine-tune the drafter shipped before (git show 6426820:mlx_glimmer/data/demo_drafter), all 1.5M tokens
   mkdir -p runs/demo3
   ln -sfn ../demo2/data runs/demo3/data
-  mlx-glimmer distill --out runs/demo3 "${DATA[@]}" "${TRAIN[@]}" --steps 2000 --eval-every 500 \
-    --init mlx_glimmer/data/demo_drafter --train-only
+  mlx-glimmer distill --out runs/demo3 "${DATA[@]}" "${TRAIN[@]}" --steps 3500 --eval-every 500 \
+    --init mlx_glimmer/data/demo_drafter --train-only  # (2026-11-30: stopped after the step-2000 evaluation)
+  cp runs/demo3/log.json benchmarks/distill/demo2/run_finetune.log.json
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
-  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 3 --rounds 2 \
-    --skip mlx --out benchmarks/results/trainer_throughput_full.json
+  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 6 --rounds 3 \
+    --out benchmarks/results/trainer_throughput_full.json
 fi
 if has curve; then
   python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
-    benchmarks/distill/demo2/run_target_init.log.json runs/demo3 --out benchmarks/results/scaling_curve
+    benchmarks/distill/demo2/run_target_init.log.json benchmarks/distill/demo2/run_finetune.log.json \
+    --out benchmarks/results/scaling_curve
 fi
 if has ship; then  # the run whose best held-out evaluation is highest
   best=$(python - <<'PY'
