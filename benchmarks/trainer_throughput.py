@@ -10,12 +10,12 @@ one (MLX, one answer x 32 anchors per step, every emitted token in its head),
 today's on MLX, and today's on torch (transformers' assistant class, bfloat16
 autocast) when torch is installed. The draft vocabulary depends on the data:
 on 48 answers every emitted token fits in ~1.5k, on the full data the old head
-holds every one of ~19k emitted tokens where today's keeps the top 8,192.
+holds every one of ~20k emitted tokens where today's keeps the top 8,192.
 Features are outside the timer (every trainer caches them), so the figure is
 steady-state optimisation throughput; `--features-dir` reuses the store a
-`distill` run computed for the same answers instead of computing it again. They are timed in alternating rounds so
-that load from other processes hits all alike. The old trainer is loaded from
-git (`git show c12d381:mlx_glimmer/distill/train.py`).
+`distill` run computed for the same answers instead of computing it again.
+They are timed in alternating rounds so that load from other processes hits
+all alike. The old trainer is loaded from git (`git show c12d381:mlx_glimmer/distill/train.py`).
 
 Also times the step's dominant kernels (the linear layers and the draft head,
 forward + backward at the step's shapes) in MLX and in torch on this CPU, the
@@ -38,6 +38,8 @@ import numpy as np
 import mlx_glimmer
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
+from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures, stored_sequences
+from mlx_glimmer.drafter import dflash_target_layer_ids
 from mlx_glimmer.distill.train import Trainer, TrainConfig
 
 OLD_COMMIT = "c12d381"
@@ -147,16 +149,16 @@ def main() -> int:
     old = old_mod.Trainer(pair.target, records, old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10), work / "old", mask_token_id=mask)
     # (the old trainer computes a sequence's features in batch(), which runs outside its timer)
     source = None
-    if args.features_dir:
-        meta = json.loads((Path(args.features_dir) / "features.json").read_text())
-        if meta["lengths"] != [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records] or meta["done"] < len(records):
-            sys.exit(f"error: {args.features_dir} holds the features of other answers (or is unfinished); "
+    if args.features_dir:  # a run's store, reused only if it holds exactly these answers (else it would be rewritten)
+        features = Path(args.features_dir)
+        source_name = json.loads((features / "features.json").read_text()).get("source", MLXFeatures.name)
+        lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
+        if stored_sequences(features, lengths, dflash_target_layer_ids(pair.target.num_layers, TrainConfig().context_layers), source_name) < len(records):
+            sys.exit(f"error: {features} holds the features of other answers (or is unfinished); "
                      "pass the run's own --records, or drop --features-dir")
         (work / "new").mkdir(parents=True)
-        (work / "new" / "features").symlink_to(Path(args.features_dir).resolve())
-        if meta.get("source", "").startswith("torch"):
-            from mlx_glimmer.distill.features import TorchFeatures
-
+        (work / "new" / "features").symlink_to(features.resolve())
+        if source_name.startswith("torch"):
             source = TorchFeatures(pair.target_path)
 
     trainers = {"old": (old, timed_old_steps)}

@@ -87,7 +87,7 @@ def test_torch_step_computes_the_mlx_step_loss_and_gradient_direction(llama_pair
 
 def test_fused_head_loss_equals_the_plain_weighted_cross_entropy_and_its_gradient():
     torch = pytest.importorskip("torch")
-    from mlx_glimmer.distill.torch_step import head_cross_entropy
+    from mlx_glimmer.distill.torch_step import HeadCrossEntropy, head_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(300, 32, generator=gen, requires_grad=True)
@@ -101,8 +101,6 @@ def test_fused_head_loss_equals_the_plain_weighted_cross_entropy_and_its_gradien
     (plain * 2.0).backward()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad, h.grad, rtol=1e-4, atol=1e-5)
-    from mlx_glimmer.distill.torch_step import HeadCrossEntropy
-
     small = HeadCrossEntropy.apply(h.detach().requires_grad_(), head, labels, weights, 64)  # 5 chunks, last partial
     torch.testing.assert_close(small, plain, rtol=1e-5, atol=1e-4)
 

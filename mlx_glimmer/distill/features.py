@@ -97,6 +97,18 @@ class TorchFeatures:
         return out
 
 
+def stored_sequences(directory: Path, lengths: list[int], layer_ids: list[int], source_name: str) -> int:
+    """How many of these sequences' features `directory` already holds (0 when it holds other sequences, other
+    layers, or another source's)."""
+    meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
+    if not meta_path.is_file() or not data_path.is_file():
+        return 0
+    meta = json.loads(meta_path.read_text())
+    same = (meta.get("layer_ids") == list(layer_ids) and meta.get("lengths") == list(lengths)
+            and meta.get("source", MLXFeatures.name) == source_name)
+    return int(meta["done"]) if same else 0
+
+
 class FeatureStore:
     def __init__(self, directory: Path, target: Target, sequences: list[list[int]], layer_ids: list[int],
                  source: FeatureSource | None = None):
@@ -110,18 +122,10 @@ class FeatureStore:
         self.width = len(self.layer_ids) * target.hidden_size
         self.meta_path = self.directory / "features.json"
         self.data_path = self.directory / "features.f16"
-        self.done = self._resume_point()
+        self.done = stored_sequences(self.directory, self.lengths, self.layer_ids, self.source.name)
         shape = (max(int(self.offsets[-1]), 1), self.width)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.data = np.memmap(self.data_path, dtype=np.float16, mode="r+" if self.data_path.exists() and self.done else "w+", shape=shape)
-
-    def _resume_point(self) -> int:
-        if not self.meta_path.is_file() or not self.data_path.is_file():
-            return 0
-        meta = json.loads(self.meta_path.read_text())
-        same = (meta.get("layer_ids") == self.layer_ids and meta.get("lengths") == self.lengths
-                and meta.get("source", MLXFeatures.name) == self.source.name)
-        return int(meta["done"]) if same else 0
 
     def _save_meta(self) -> None:
         self.data.flush()

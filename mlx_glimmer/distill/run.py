@@ -232,9 +232,6 @@ def cmd_distill(args, open_pair) -> int:
         log_path.write_text(json.dumps(log, indent=2))
         return report.mean
 
-    if trainer.step == 0 and config.init != "random":  # where a warm start begins: the curve's first point
-        print(f"[eval] step 0 held-out mean acceptance {evaluate(trainer):.3f} (init {config.init})", file=sys.stderr, flush=True)
-        trainer.save(out / "step000000")
     trainer.train(evaluate=evaluate)
     best = max(log["evaluations"], key=lambda e: e["mean_acceptance"])
     export(out / f"step{best['step']:06d}", out / "drafter")

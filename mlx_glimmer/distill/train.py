@@ -279,6 +279,8 @@ class Trainer:
         """Train to `config.steps` (or stop early at step `until`, as an interruption would)."""
         c = self.config
         self.features.ensure(self.log)
+        if evaluate is not None and self.step == 0 and c.init != "random":  # where a warm start begins
+            self._evaluate(evaluate)
         tic, losses, positions = time.perf_counter(), [], 0.0
         while self.step < min(c.steps, until or c.steps):
             batch = self.batch(self.next_indices())
@@ -294,10 +296,13 @@ class Trainer:
             if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                 self.save(self.out_dir / "checkpoint")
             if evaluate is not None and (self.step % c.eval_every == 0 or self.step == c.steps):
-                self.step_fn.sync()
-                acc = evaluate(self)
-                print(f"[eval] step {self.step} held-out mean acceptance {acc:.3f}", file=self.log, flush=True)
-                self.save(self.out_dir / f"step{self.step:06d}")
+                self._evaluate(evaluate)
+
+    def _evaluate(self, evaluate) -> None:
+        self.step_fn.sync()
+        acc = evaluate(self)
+        print(f"[eval] step {self.step} held-out mean acceptance {acc:.3f}", file=self.log, flush=True)
+        self.save(self.out_dir / f"step{self.step:06d}")
 
     def save(self, path: Path) -> None:
         self.step_fn.sync()
