@@ -4,7 +4,8 @@
 
 Every held-out prompt (mlx_glimmer/data/prompts_heldout.jsonl), chat template
 applied, greedy, block 16, 128 new tokens: tokens committed per target forward,
-per prompt and overall; always checks each answer equals plain greedy decoding
+per prompt and overall, and the share of rounds that commit at least k tokens (k = 1..block: where
+drafts stop being accepted); always checks each answer equals plain greedy decoding
 (a published acceptance figure comes from a checked run; there is no switch to skip it).
 """
 
@@ -29,7 +30,7 @@ def main() -> int:
     args = ap.parse_args()
     pair = mlx_glimmer.load(args.bundle or demo_bundle())
     prompts = load_prompts(DATA_DIR / "prompts_heldout.jsonl")[: args.limit]
-    rows, tokens, forwards, mismatches = [], 0, 0, 0
+    rows, tokens, forwards, mismatches, lengths = [], 0, 0, 0, []
     for i, p in enumerate(prompts):
         msgs = [{"role": "user", "content": p}]
         r = mlx_glimmer.generate(pair, msgs, max_tokens=args.max_tokens, block_size=args.block_size)
@@ -37,6 +38,7 @@ def main() -> int:
         mismatches += not same
         tokens += sum(r.stats.acceptance_lengths)
         forwards += r.stats.target_forwards
+        lengths += r.stats.acceptance_lengths
         rows.append({"prompt": p, "mean_acceptance": r.stats.mean_acceptance, "tokens": r.stats.generated_tokens,
                      "target_forwards": r.stats.target_forwards, "equals_plain": same})
         print(f"{i + 1}/{len(prompts)} acceptance {r.stats.mean_acceptance:.2f}", file=sys.stderr, flush=True)
@@ -46,6 +48,8 @@ def main() -> int:
         "max_tokens": args.max_tokens, "block_size": args.block_size,
         "mean_acceptance": tokens / max(forwards, 1), "per_prompt_median": statistics.median(per),
         "per_prompt_min": min(per), "per_prompt_max": max(per), "plain_mismatches": mismatches,
+        "rounds_committing_at_least": [sum(n >= k for n in lengths) / max(len(lengths), 1)
+                                       for k in range(1, args.block_size + 1)],
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

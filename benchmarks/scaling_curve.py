@@ -1,13 +1,15 @@
 """Held-out acceptance of distilled drafters against target tokens seen and against steps: JSON + PNG.
 
-    python benchmarks/scaling_curve.py RUN [RUN ...] [--out benchmarks/results/scaling_curve]
+    python benchmarks/scaling_curve.py RUN [RUN ...] [--continues LATER=EARLIER ...] [--out benchmarks/results/scaling_curve]
 
 Each RUN is a `mlx-glimmer distill` run directory or its log.json (kept copies,
 like benchmarks/distill/demo2/run_*.log.json, name the run by file name); the log holds one evaluation
 per `--eval-every` steps (held-out prompts, chat template, greedy, block 16:
 tokens committed per target forward, measured with the real speculative loop).
 Writes OUT.json (every run's settings and points) and OUT.png (two panels:
-acceptance vs target tokens seen, acceptance vs optimiser steps). Needs
+acceptance vs target tokens seen, acceptance vs optimiser steps). `--continues LATER=EARLIER` (run
+names) says LATER was warm-started from the drafter EARLIER exported: LATER's steps and tokens are then
+counted from EARLIER's exported evaluation, so the two read as one training history. Needs
 matplotlib for the PNG (`pip install -e ".[bench]"`).
 """
 
@@ -40,12 +42,31 @@ def run_points(run: Path) -> dict:
     }
 
 
+def continue_from(later: dict, earlier: dict, exported: dict) -> None:
+    """Count `later`'s steps, answers and tokens from `earlier`'s exported evaluation."""
+    later["continues"] = {"run": earlier["run"], "step": exported["step"]}
+    for p in later["points"]:
+        for k in ("step", "target_tokens_seen", "sequences_seen"):
+            p[k] += exported[k]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+")
+    ap.add_argument("--continues", action="append", default=[], metavar="LATER=EARLIER")
     ap.add_argument("--out", default="benchmarks/results/scaling_curve")
     args = ap.parse_args()
     runs = [run_points(Path(r)) for r in args.runs]
+    by_name = {r["run"]: (r, Path(path)) for r, path in zip(runs, args.runs)}
+    for pair in args.continues:
+        later, _, earlier = pair.partition("=")
+        if later not in by_name or earlier not in by_name:
+            sys.exit(f"error: --continues {pair}: name two of the runs given ({', '.join(by_name)})")
+        path = by_name[earlier][1]
+        exported = json.loads((path if path.is_file() else path / "log.json").read_text()).get("exported")
+        if not exported:
+            sys.exit(f"error: --continues {pair}: {path} records no exported drafter")
+        continue_from(by_name[later][0], by_name[earlier][0], exported)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "runs": runs}
@@ -58,7 +79,8 @@ def main() -> int:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in runs:
-        label = f"{r['run']} ({r['layers']} layers, init {r['init']})"
+        start = f"continues {r['continues']['run']}" if "continues" in r else f"init {r['init']}"
+        label = f"{r['run']} ({r['layers']} layers, {start})"
         xs = [p["target_tokens_seen"] / 1e6 for p in r["points"]]
         ys = [p["mean_acceptance"] for p in r["points"]]
         left.plot(xs, ys, marker="o", label=label)
