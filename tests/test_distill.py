@@ -8,6 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_glimmer
+from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.drafter import DFlashDrafter, dflash_target_layer_ids, load_dflash_model
 from mlx_glimmer.distill.evaluate import heldout_acceptance
 from mlx_glimmer.distill.train import Trainer, TrainConfig, block_forward, target_features
@@ -119,6 +120,31 @@ def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     a = dict(mx.load(str(tmp_path / "a" / "run" / "checkpoint" / "model.safetensors")))
     c = dict(mx.load(str(tmp_path / "c" / "run" / "checkpoint" / "model.safetensors")))
     assert max(float(mx.abs(a[k] - c[k]).max()) for k in a if k != "draft_vocab") < 1e-5
+
+
+def test_a_shallower_drafter_grows_by_identity_layers_and_drafts_as_before(llama_pair, records, tmp_path):
+    small = make_trainer(llama_pair, records, tmp_path / "small", steps=3)
+    small.train()
+    small.save(tmp_path / "one_layer")
+    grown = make_trainer(llama_pair, records, tmp_path / "grown", layers=3, init=str(tmp_path / "one_layer"))
+    batch = small.batch([0, 1])
+    assert len(grown.model.layers) == 3
+    np.testing.assert_allclose(grown.step_fn.loss(batch), small.step_fn.loss(batch), rtol=1e-5)
+    for _ in range(2):  # (the first step's warm-up learning rate is 0)
+        grown.step_fn(batch)  # the added layers learn from there
+    assert float(mx.abs(grown.model.layers[2].mlp.down_proj.weight).max()) > 0
+
+
+def test_a_drafter_that_does_not_fit_is_one_clear_error(llama_pair, records, tmp_path):
+    deeper = make_trainer(llama_pair, records, tmp_path / "deep", layers=2)
+    deeper.save(tmp_path / "two_layers")
+    with pytest.raises(GlimmerError, match="2 layers, more than --layers 1"):
+        make_trainer(llama_pair, records, tmp_path / "a", layers=1, init=str(tmp_path / "two_layers"))
+    weights = dict(mx.load(str(tmp_path / "two_layers" / "model.safetensors")))
+    weights["encoder.fc.weight"] = weights["encoder.fc.weight"][:, :8]
+    mx.save_safetensors(str(tmp_path / "two_layers" / "model.safetensors"), weights)
+    with pytest.raises(GlimmerError, match="do not fit this drafter .*encoder.fc.weight"):
+        make_trainer(llama_pair, records, tmp_path / "b", layers=2, init=str(tmp_path / "two_layers"))
 
 
 def test_saved_drafter_loads_and_stays_lossless(llama_pair, records, tmp_path):

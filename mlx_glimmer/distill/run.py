@@ -67,7 +67,8 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary: the N tokens the target emits most (default: every emitted token)")
     p.add_argument("--init", default="random",
-                   help="warm start: random (default), target (copy the target's last layers), or a drafter directory")
+                   help="warm start: random (default), target (copy the target's last layers), or a drafter directory "
+                        "to fine-tune (one with fewer layers than --layers grows by identity layers)")
     p.add_argument("--train-backend", choices=["auto", "mlx", "torch"], default="auto",
                    help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
                         "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "

@@ -18,7 +18,8 @@ lossless; a token outside the draft vocabulary is simply never drafted.
 
 Warm starts (`init`): "random"; "target" copies the target's last `layers`
 decoder layers into the drafter's (same shapes); a drafter directory
-fine-tunes its weights.
+fine-tunes its weights, growing a shallower drafter by identity layers
+(`load_for_fine_tuning`).
 
 The optimiser step runs on one of two backends behind the `TrainStep`
 protocol, both fed the same `Batch`: `MLXStep` trains our MLX `DFlashModel`
@@ -189,6 +190,29 @@ def copy_target_layers(model: DFlashModel, target: Target) -> None:
     model.load_weights(weights, strict=False)
 
 
+def load_for_fine_tuning(model: DFlashModel, saved: dict[str, mx.array], source: str) -> int:
+    """Load a drafter's weights into `model` to fine-tune them; returns how many layers `model` adds.
+
+    A drafter with fewer layers grows: its layers become the first ones, and each added layer starts
+    with zero output projections (attention `o_proj`, MLP `down_proj`), an identity on the residual
+    stream, so the grown drafter drafts exactly what the saved one did and training only adds to it.
+    """
+    own = {k: v for k, v in tree_flatten(model.parameters()) if k != "draft_vocab"}
+    saved_layers = len({k.split(".")[1] for k in saved if k.startswith("layers.")})
+    if saved_layers > len(model.layers):
+        raise GlimmerError(f"--init {source}: it has {saved_layers} layers, more than --layers {len(model.layers)}")
+    added = tuple(f"layers.{j}." for j in range(saved_layers, len(model.layers)))
+    misfit = [f"{k} {tuple(v.shape)}" for k, v in saved.items() if k not in own or own[k].shape != v.shape]
+    misfit += [f"{k} (missing)" for k in own if k not in saved and not k.startswith(added)]
+    if misfit:
+        raise GlimmerError(f"--init {source}: its weights do not fit this drafter ({', '.join(misfit[:3])})")
+    model.load_weights(list(saved.items()), strict=False)
+    for layer in model.layers[saved_layers:]:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    return len(model.layers) - saved_layers
+
+
 class Trainer:
     def __init__(self, target: Target, records: list[dict], config: TrainConfig, out_dir: Path, *, mask_token_id: int,
                  feature_source: FeatureSource | None = None, log=sys.stderr):
@@ -235,11 +259,11 @@ class Trainer:
         path = Path(init)
         if not (path / "model.safetensors").is_file():
             raise GlimmerError(f"--init: {init!r} is neither 'random', 'target' nor a drafter directory")
-        weights = [(k, v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"]
-        try:
-            self.model.load_weights(weights, strict=False)
-        except ValueError as e:
-            raise GlimmerError(f"--init {path}: its weights do not fit this drafter ({e})") from None
+        saved = {k: v.astype(mx.float32) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"}
+        added = load_for_fine_tuning(self.model, saved, str(path))
+        if added:
+            print(f"[init] {path}: {len(self.model.layers) - added} layers, grown to {len(self.model.layers)} by "
+                  "identity layers", file=self.log, flush=True)
 
     def batch(self, indices) -> Batch:
         """The step's inputs for one sequence index or a list of them: `anchors` blocks per sequence, contexts padded."""
