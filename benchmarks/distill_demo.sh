@@ -30,6 +30,13 @@ if has train; then  # random init vs the target's last two layers, same answers 
   mlx-glimmer distill --out runs/demo3 "${DATA[@]}" "${TRAIN[@]}" --steps 3500 --eval-every 500 \
     --init mlx_glimmer/data/demo_drafter --train-only  # (2026-11-30: stopped after the step-2000 evaluation)
   cp runs/demo3/log.json benchmarks/distill/demo2/run_finetune.log.json
+  # run 4: run 3's step-2000 drafter (shipped in 71400ed) trained on, a fresh 5,000-step schedule, run 3's features
+  mkdir -p runs/demo4
+  ln -sfn ../demo2/data runs/demo4/data
+  ln -sfn ../demo3/features runs/demo4/features
+  mlx-glimmer distill --out runs/demo4 "${DATA[@]}" "${TRAIN[@]}" --steps 5000 --eval-every 500 \
+    --init mlx_glimmer/data/demo_drafter --train-only  # (--init: 71400ed's drafter, run 3's step 2000)
+  cp runs/demo4/log.json benchmarks/distill/demo2/run_finetune2.log.json
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
   python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 6 --rounds 3 \
@@ -38,12 +45,13 @@ fi
 if has curve; then
   python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
     benchmarks/distill/demo2/run_target_init.log.json benchmarks/distill/demo2/run_finetune.log.json \
+    benchmarks/distill/demo2/run_finetune2.log.json --continues run_finetune2=run_finetune \
     --out benchmarks/results/scaling_curve
 fi
 if has ship; then  # the run whose best held-out evaluation is highest
   best=$(python - <<'PY'
 import json
-runs = ["runs/demo2", "runs/demo2-target", "runs/demo3"]
+runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4"]
 print(max(runs, key=lambda r: json.load(open(f"{r}/log.json"))["exported"]["mean_acceptance"]))
 PY
 )

@@ -107,6 +107,17 @@ def test_fused_head_loss_equals_the_plain_weighted_cross_entropy_and_its_gradien
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_padding_contexts_to_a_shape_multiple_leaves_the_loss_alone(llama_pair, records, tmp_path, backend):
+    if backend == "torch":
+        pytest.importorskip("transformers")
+    exact, padded = (make_trainer(llama_pair, records, tmp_path / str(m), backend=backend, context_multiple=m) for m in (1, 64))
+    a, b = exact.batch([0, 3]), padded.batch([0, 3])  # same seed: same anchors
+    assert b.ctx.shape[1] % 64 == 0 and b.ctx.shape[1] > a.ctx.shape[1] and (a.anchors == b.anchors).all()
+    exact.step_fn.autocast = padded.step_fn.autocast = False  # (torch: float32, to compare to rounding)
+    np.testing.assert_allclose(padded.step_fn.loss(b), exact.step_fn.loss(a), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     if backend == "torch":
         pytest.importorskip("transformers")
