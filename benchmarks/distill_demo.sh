@@ -37,21 +37,36 @@ if has train; then  # random init vs the target's last two layers, same answers 
   mlx-glimmer distill --out runs/demo4 "${DATA[@]}" "${TRAIN[@]}" --steps 5000 --eval-every 500 \
     --init mlx_glimmer/data/demo_drafter --train-only  # (--init: 71400ed's drafter, run 3's step 2000)
   cp runs/demo4/log.json benchmarks/distill/demo2/run_finetune2.log.json
+  # run 5, depth: two arms from run 4's drafter, same 2,000-step schedule; 2 layers vs 3 (grown by an identity layer)
+  for arm in "demo5 2 run_finetune3" "demo5-deep 3 run_deep3"; do
+    read -r dir layers kept <<<"$arm"
+    mkdir -p "runs/$dir"
+    ln -sfn ../demo2/data "runs/$dir/data"
+    ln -sfn ../demo3/features "runs/$dir/features"
+    mlx-glimmer distill --out "runs/$dir" "${DATA[@]}" "${TRAIN[@]}" --layers "$layers" --steps 2000 --eval-every 500 \
+      --init runs/demo4/drafter --train-only
+    cp "runs/$dir/log.json" "benchmarks/distill/demo2/$kept.log.json"
+  done
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
   python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 6 --rounds 3 \
     --out benchmarks/results/trainer_throughput_full.json
+  # the same on an idle CPU, longer rounds, old trainer vs the torch step only
+  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 20 --rounds 3 \
+    --skip mlx --no-kernels --out benchmarks/results/trainer_throughput_full2.json
 fi
 if has curve; then
   python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
     benchmarks/distill/demo2/run_target_init.log.json benchmarks/distill/demo2/run_finetune.log.json \
-    benchmarks/distill/demo2/run_finetune2.log.json --continues run_finetune2=run_finetune \
+    benchmarks/distill/demo2/run_finetune2.log.json benchmarks/distill/demo2/run_finetune3.log.json \
+    benchmarks/distill/demo2/run_deep3.log.json --continues run_finetune2=run_finetune \
+    --continues run_finetune3=run_finetune2 --continues run_deep3=run_finetune2 \
     --out benchmarks/results/scaling_curve
 fi
 if has ship; then  # the run whose best held-out evaluation is highest
   best=$(python - <<'PY'
 import json
-runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4"]
+runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4", "runs/demo5", "runs/demo5-deep"]
 print(max(runs, key=lambda r: json.load(open(f"{r}/log.json"))["exported"]["mean_acceptance"]))
 PY
 )
@@ -62,7 +77,6 @@ PY
   mlx-glimmer demo >/dev/null 2>&1 || true  # a cached demo bundle picks the shipped drafter up on next use
 fi
 if has check; then  # held-out acceptance (checked against plain greedy) and speed, default settings
-  python benchmarks/demo_acceptance.py --limit 8 --max-tokens 128
-  mlx-glimmer bench --num-prompts 4 --max-tokens 128 --block-sizes auto,16 --no-baseline \
-    --json-out benchmarks/results/bench_demo2_cpu.json
+  python benchmarks/demo_acceptance.py --limit 8 --max-tokens 128 --out benchmarks/results/demo_acceptance_shipped.json
+  mlx-glimmer bench --full --block-sizes auto,16 --no-baseline --json-out benchmarks/results/bench_demo5_full_cpu.json
 fi

@@ -43,11 +43,14 @@ def run_points(run: Path) -> dict:
 
 
 def continue_from(later: dict, earlier: dict, exported: dict) -> None:
-    """Count `later`'s steps, answers and tokens from `earlier`'s exported evaluation."""
-    later["continues"] = {"run": earlier["run"], "step": exported["step"]}
+    """Count `later`'s steps, answers and tokens from `earlier`'s exported evaluation (and from whatever
+    `earlier` itself continues, so a chain of warm starts reads as one history)."""
+    base = earlier.get("continues", {}).get("offset", {})
+    offset = {k: exported[k] + base.get(k, 0) for k in ("step", "target_tokens_seen", "sequences_seen")}
+    later["continues"] = {"run": earlier["run"], "step": exported["step"], "offset": offset}
     for p in later["points"]:
-        for k in ("step", "target_tokens_seen", "sequences_seen"):
-            p[k] += exported[k]
+        for k, v in offset.items():
+            p[k] += v
 
 
 def main() -> int:
@@ -58,15 +61,30 @@ def main() -> int:
     args = ap.parse_args()
     runs = [run_points(Path(r)) for r in args.runs]
     by_name = {r["run"]: (r, Path(path)) for r, path in zip(runs, args.runs)}
+    parent = {}
     for pair in args.continues:
         later, _, earlier = pair.partition("=")
-        if later not in by_name or earlier not in by_name:
+        if later not in by_name or earlier not in by_name or later == earlier:
             sys.exit(f"error: --continues {pair}: name two of the runs given ({', '.join(by_name)})")
+        parent[later] = earlier
+    done = set()
+
+    def resolve(name: str, seen: tuple = ()) -> None:
+        if name in done or name not in parent:
+            return
+        if name in seen:
+            sys.exit(f"error: --continues: a cycle through {name}")
+        earlier = parent[name]
+        resolve(earlier, (*seen, name))
         path = by_name[earlier][1]
         exported = json.loads((path if path.is_file() else path / "log.json").read_text()).get("exported")
         if not exported:
-            sys.exit(f"error: --continues {pair}: {path} records no exported drafter")
-        continue_from(by_name[later][0], by_name[earlier][0], exported)
+            sys.exit(f"error: --continues {name}={earlier}: {path} records no exported drafter")
+        continue_from(by_name[name][0], by_name[earlier][0], exported)
+        done.add(name)
+
+    for name in parent:
+        resolve(name)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "runs": runs}

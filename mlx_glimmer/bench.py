@@ -37,6 +37,7 @@ class Measurement:
     acceptance: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # verify width of every round
     mismatches: int = 0
+    per_prompt_tokens_per_second: list[float] = field(default_factory=list)  # one per prompt and repeat
 
     @property
     def tokens_per_second(self) -> float:
@@ -52,6 +53,13 @@ class Measurement:
         self.target_forwards += forwards
         self.acceptance.extend(acceptance)
         self.widths.extend(widths)
+        self.per_prompt_tokens_per_second.append(tokens / decode_s if decode_s > 0 else 0.0)
+
+
+def median_speedup(method: list[float], plain: list[float]) -> float:
+    """Median over prompts of method tok/s / plain tok/s on the same prompt (both per-prompt lists, in prompt order)."""
+    ratios = [m / p for m, p in zip(method, plain) if p > 0]
+    return statistics.median(ratios) if ratios else 0.0
 
 
 def device_name() -> str:
@@ -151,8 +159,10 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | s
                     results[m].mismatches += 1
             so_far = ", ".join(f"{m} {r.tokens_per_second:.1f}" for m, r in results.items())
             print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}", file=log, flush=True)
+    plain = results["plain"].per_prompt_tokens_per_second
     return {"environment": environment(pair), "max_tokens": max_tokens, "prompts": len(encoded), "repeats": repeats,
             "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance,
+                            "median_speedup_over_plain": median_speedup(r.per_prompt_tokens_per_second, plain),
                             "verify_width_histogram": describe(r.widths)}
                         for m, r in results.items()}}
 
@@ -171,6 +181,9 @@ def format_table(report: dict) -> str:
             f"| {device} [{report['environment']['drafter_kind']}, block {m[6:]}] | {plain:.1f} | {r['tokens_per_second']:.1f} | "
             f"{r['tokens_per_second'] / plain:.2f}x | {r['mean_acceptance']:.2f} | {per_token:.3f} |"
         )
+    medians = ", ".join(f"block {m[6:]} {r['median_speedup_over_plain']:.2f}x" for m, r in res.items() if m.startswith("spec_"))
+    if medians:
+        lines.append(f"\nmedian per-prompt speed-up over plain: {medians}")
     for m, r in res.items():
         if m == "spec_bauto":
             lines.append(f"\nauto verify widths (width: rounds): {r['verify_width_histogram']}")

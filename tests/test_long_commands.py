@@ -20,6 +20,18 @@ def test_bench_prints_a_line_per_prompt_and_defaults_to_three_prompts(tmp_path, 
     assert [ln.split(":")[0] for ln in progress] == [f"[bench] repeat 1/1 prompt {i}/3" for i in (1, 2, 3)]
     data = json.loads(report.read_text())
     assert data["prompts"] == 3 and all(r["mismatches"] == 0 for r in data["results"].values())
+    assert all(len(r["per_prompt_tokens_per_second"]) == 3 for r in data["results"].values())
+
+
+def test_bench_speedup_is_the_median_of_per_prompt_ratios_not_the_ratio_of_totals():
+    from mlx_glimmer.bench import Measurement, median_speedup
+
+    plain, spec = Measurement("plain"), Measurement("spec_b16")
+    for plain_s, spec_s in ((1.0, 0.5), (1.0, 2.0), (10.0, 5.0)):  # 10 tokens each: ratios 2x, 0.5x, 2x
+        plain.add(10, plain_s)
+        spec.add(10, spec_s)
+    assert spec.tokens_per_second / plain.tokens_per_second == 12.0 / 7.5  # totals: 30 tokens in 7.5 s vs 12 s
+    assert median_speedup(spec.per_prompt_tokens_per_second, plain.per_prompt_tokens_per_second) == 2.0
 
 
 def test_parity_prints_a_line_per_prompt_and_defaults_to_three_prompts(tmp_path, checkpoints, capsys):
