@@ -118,6 +118,20 @@ def test_padding_contexts_to_a_shape_multiple_leaves_the_loss_alone(llama_pair, 
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_warm_up_runs_every_context_width_once_and_leaves_training_unchanged(llama_pair, records, tmp_path, backend):
+    if backend == "torch":
+        pytest.importorskip("transformers")
+    records = [{**r, "response_ids": r["response_ids"][: 20 + 5 * i]} for i, r in enumerate(records)]  # lengths differ
+    warmed, plain = (make_trainer(llama_pair, records, tmp_path / n, steps=10, backend=backend, context_multiple=8) for n in "wp")
+    widths = sorted({-(-(len(r["prompt_ids"]) + len(r["response_ids"])) // 8) * 8 for r in records})
+    assert warmed.warm_up() == widths and len(widths) > 1
+    warmed.train()
+    plain.train()
+    a, b = (dict(tree_flatten(t.model.parameters())) for t in (warmed, plain))
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a if k != "draft_vocab") == 0.0
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     if backend == "torch":
         pytest.importorskip("transformers")

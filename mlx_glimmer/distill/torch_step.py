@@ -21,6 +21,11 @@ The weights start from, and are copied back into, the MLX drafter (`sync`), so
 evaluation, checkpoints and export are the MLX trainer's. Master weights and
 AdamW state stay float32; matmuls run in bfloat16 where the CPU has AVX-512
 bf16/AMX (`dtype="float32"` turns autocast off).
+
+Compiled, the forward is specialised to each context width (static shapes:
+1.15x the steps of one dynamic-shape graph on this CPU, the softmax kernels
+vectorise fully); `Trainer.warm_up` compiles every width the data has before
+the first step.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class HeadCrossEntropy(torch.autograd.Function):
 
 
 def head_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    chunk = max(16, (1 << 19) // head.shape[0])  # ~2 MB of float32 logits per chunk
+    chunk = max(16, (1 << 21) // head.shape[0])  # ~8 MB of float32 logits per chunk (256 rows of an 8k head)
     return HeadCrossEntropy.apply(h, head, labels, weights, chunk)
 
 
@@ -111,7 +116,9 @@ class TorchStep:
         self.net = MuseGlimmerAssistantModel._from_config(assistant_config(drafter_config), attn_implementation="drafter_blocks")
         self.net.train()
         self._load_from_mlx()
-        self.forward = torch.compile(self._forward, dynamic=True) if compile else self._forward
+        if compile:  # static shapes, one compile per context width (`TrainConfig.context_multiple` keeps them few)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.forward = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.head = torch.from_numpy(np.array(head.astype(mx.float32)))  # [Vd, H], frozen
         self.head_bf16 = self.head.to(torch.bfloat16)
         self.position_weights = torch.exp(-torch.arange(config.block_size - 1, dtype=torch.float32) / config.gamma)
@@ -160,6 +167,10 @@ class TorchStep:
     @torch.no_grad()
     def loss(self, batch: Batch) -> float:
         return float(self._loss(batch))
+
+    def warm_up(self, batch: Batch) -> None:
+        self._loss(batch).backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def sync(self) -> None:
         state = self.net.state_dict()

@@ -71,7 +71,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     backend: str = "mlx"  # "mlx" or "torch" (see TrainStep)
     compile: bool = True  # torch: torch.compile the step (a minute or two once; ~2x faster steps on a CPU)
-    context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes for compiled kernels
+    context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes, each compiled once
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -105,6 +105,9 @@ class TrainStep(Protocol):
 
     def loss(self, batch: Batch) -> float:
         """The loss on `batch`, weights unchanged."""
+
+    def warm_up(self, batch: Batch) -> None:
+        """Run `batch`'s forward and backward once, weights and optimiser unchanged (compiles its shapes)."""
 
     def sync(self) -> None:
         """Bring the MLX drafter's weights up to date (before evaluating or saving)."""
@@ -266,13 +269,18 @@ class Trainer:
             print(f"[init] {path}: {len(self.model.layers) - added} layers, grown to {len(self.model.layers)} by "
                   "identity layers", file=self.log, flush=True)
 
-    def batch(self, indices) -> Batch:
-        """The step's inputs for one sequence index or a list of them: `anchors` blocks per sequence, contexts padded."""
+    def context_width(self, indices) -> int:
+        m = max(1, self.config.context_multiple)
+        return -(-max(len(self.sequences[i]) for i in indices) // m) * m  # padding: no block sees past its anchor
+
+    def batch(self, indices, rng: np.random.Generator | None = None) -> Batch:
+        """The step's inputs for one sequence index or a list of them: `anchors` blocks per sequence, contexts padded.
+        Anchors are drawn from `rng` (default: the trainer's own, which a checkpoint saves)."""
         indices = [indices] if isinstance(indices, int) else list(indices)
+        rng = rng or self.rng
         self.features.ensure(self.log)
         B, A = self.config.block_size, self.config.anchors
-        m = max(1, self.config.context_multiple)
-        width = -(-max(len(self.sequences[i]) for i in indices) // m) * m  # padding: no block sees past its anchor
+        width = self.context_width(indices)
         ctx = np.zeros((len(indices), width, self.features.width), dtype=np.float16)
         block_ids = np.full((len(indices), A, B), self.drafter_config.mask_token_id, dtype=np.int64)
         anchors = np.zeros((len(indices), A), dtype=np.int64)
@@ -284,7 +292,7 @@ class Trainer:
             ctx[r, :T] = self.features.get(i)
             candidates = np.arange(lp, T - 1)
             n = min(A, len(candidates))
-            a = np.sort(self.rng.choice(candidates, size=n, replace=False))
+            a = np.sort(rng.choice(candidates, size=n, replace=False))
             anchors[r, :n] = a
             block_ids[r, :n, 0] = seq[a]
             label_pos = a[:, None] + np.arange(1, B)[None]
@@ -301,10 +309,26 @@ class Trainer:
             out.append(self.order.pop())
         return out
 
+    def warm_up(self) -> list[int]:
+        """Run one batch of every padded context width in the data through `step_fn.warm_up` (a compiled step
+        compiles each width once, here rather than in the middle of training); the weights, the optimiser
+        and the trainer's random stream are untouched. Returns the widths."""
+        by_width: dict[int, list[int]] = {}
+        for i in range(len(self.sequences)):
+            by_width.setdefault(self.context_width([i]), []).append(i)
+        n, rng, tic = min(self.config.sequences_per_step, len(self.sequences)), np.random.default_rng(0), time.perf_counter()
+        for k, (width, indices) in enumerate(sorted(by_width.items())):
+            self.step_fn.warm_up(self.batch((indices * n)[:n], rng))
+            print(f"[compile] context width {width} ({k + 1}/{len(by_width)}, {time.perf_counter() - tic:.0f} s)",
+                  file=self.log, flush=True)
+        return sorted(by_width)
+
     def train(self, evaluate=None, until: int | None = None) -> None:
         """Train to `config.steps` (or stop early at step `until`, as an interruption would)."""
         c = self.config
         self.features.ensure(self.log)
+        if c.backend == "torch" and c.compile and self.step < min(c.steps, until or c.steps):
+            self.warm_up()
         if evaluate is not None and self.step == 0 and c.init != "random":  # where a warm start begins
             self._evaluate(evaluate)
         tic, losses, positions = time.perf_counter(), [], 0.0
@@ -390,6 +414,9 @@ class MLXStep:
 
     def loss(self, batch: Batch) -> float:
         return self._loss(batch).item()
+
+    def warm_up(self, batch: Batch) -> None:
+        mx.eval(self.loss_and_grad(batch))
 
     def sync(self) -> None:
         pass
