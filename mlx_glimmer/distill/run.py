@@ -74,7 +74,7 @@ def add_distill_parser(sub) -> None:
                         "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
                         "Linux when installed, mlx elsewhere")
     p.add_argument("--no-compile", action="store_true",
-                   help="torch backend: skip torch.compile (it costs a minute or two once and then ~halves step time)")
+                   help="torch backend: skip torch.compile (it compiles once per padded context width before the first step, minutes, and then ~halves step time)")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")

@@ -11,7 +11,7 @@ spent ~75% of its work on masked block pairs. That is exactly
 `train.block_forward`'s attention, which a test checks.
 
 The loss is `head_cross_entropy`: the frozen draft head and the weighted
-cross-entropy in one autograd function over row chunks that stay in cache,
+cross-entropy in one autograd function over row chunks (~8 MB of logits each),
 with the gradient for the hidden states computed on the way (the head is
 frozen, so nothing else needs it). Done the plain way (logits, float32 copy,
 log-softmax, its backward) the [rows, draft vocab] logits made ~30% of a step's
@@ -23,9 +23,9 @@ AdamW state stay float32; matmuls run in bfloat16 where the CPU has AVX-512
 bf16/AMX (`dtype="float32"` turns autocast off).
 
 Compiled, the forward is specialised to each context width (static shapes:
-1.15x the steps of one dynamic-shape graph on this CPU, the softmax kernels
-vectorise fully); `Trainer.warm_up` compiles every width the data has before
-the first step.
+1.22x the steps of one dynamic-shape graph on this CPU, the softmax kernels
+vectorise better; `benchmarks/results/torch_step_shapes.json`);
+`Trainer.warm_up` compiles every width the data has before the first step.
 """
 
 from __future__ import annotations
