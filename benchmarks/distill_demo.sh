@@ -49,11 +49,13 @@ if has train; then  # random init vs the target's last two layers, same answers 
   done
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
-  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 6 --rounds 3 \
-    --out benchmarks/results/trainer_throughput_full.json
-  # the same on an idle CPU, longer rounds, old trainer vs the torch step only
+  # (trainer_throughput_full.json and _full2.json were taken with this script at e9947c2 and ce8201d, before the
+  # step was compiled per context width: `git show COMMIT:benchmarks/distill_demo.sh`)
   python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 20 --rounds 3 \
-    --skip mlx --no-kernels --out benchmarks/results/trainer_throughput_full2.json
+    --skip mlx --no-kernels --out benchmarks/results/trainer_throughput_full3.json
+  python benchmarks/trainer_throughput.py runs/demo2 --records 0 --features-dir runs/demo3/features --steps 20 --rounds 5 \
+    --skip mlx --no-kernels --out benchmarks/results/trainer_throughput_full5.json
+  python benchmarks/torch_step_shapes.py runs/demo2 --features-dir runs/demo3/features --steps 10 --rounds 3
 fi
 if has curve; then
   python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
