@@ -70,7 +70,7 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 250
     backend: str = "mlx"  # "mlx" or "torch" (see TrainStep)
-    compile: bool = True  # torch: torch.compile the step (a minute or two once; ~2x faster steps on a CPU)
+    compile: bool = True  # torch: torch.compile the step, once per context width before the first step (minutes)
     context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes, each compiled once
 
 
@@ -277,7 +277,7 @@ class Trainer:
         """The step's inputs for one sequence index or a list of them: `anchors` blocks per sequence, contexts padded.
         Anchors are drawn from `rng` (default: the trainer's own, which a checkpoint saves)."""
         indices = [indices] if isinstance(indices, int) else list(indices)
-        rng = rng or self.rng
+        rng = self.rng if rng is None else rng
         self.features.ensure(self.log)
         B, A = self.config.block_size, self.config.anchors
         width = self.context_width(indices)
