@@ -80,5 +80,6 @@ PY
 fi
 if has check; then  # held-out acceptance (checked against plain greedy) and speed, default settings
   python benchmarks/demo_acceptance.py --limit 8 --max-tokens 128 --out benchmarks/results/demo_acceptance_shipped.json
+  python benchmarks/demo_acceptance.py --max-tokens 128 --out benchmarks/results/demo_acceptance_demo5_all.json  # all 75
   mlx-glimmer bench --full --block-sizes auto,16 --no-baseline --json-out benchmarks/results/bench_demo5_full_cpu.json
 fi
