@@ -47,6 +47,13 @@ if has train; then  # random init vs the target's last two layers, same answers 
       --init runs/demo4/drafter --train-only
     cp "runs/$dir/log.json" "benchmarks/distill/demo2/$kept.log.json"
   done
+  # run 6: the shipped drafter (run 5's), 500 steps of the per-width compiled step (a check of it in a real run)
+  mkdir -p runs/demo6
+  ln -sfn ../demo2/data runs/demo6/data
+  ln -sfn ../demo3/features runs/demo6/features
+  mlx-glimmer distill --out runs/demo6 "${DATA[@]}" "${TRAIN[@]}" --steps 500 --eval-every 500 \
+    --init mlx_glimmer/data/demo_drafter --train-only
+  cp runs/demo6/log.json benchmarks/distill/demo2/run_finetune4.log.json
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
   # (trainer_throughput_full.json and _full2.json were taken with this script at e9947c2 and ce8201d, before the
@@ -61,14 +68,15 @@ if has curve; then
   python benchmarks/scaling_curve.py benchmarks/distill/demo2/run_random_init.log.json \
     benchmarks/distill/demo2/run_target_init.log.json benchmarks/distill/demo2/run_finetune.log.json \
     benchmarks/distill/demo2/run_finetune2.log.json benchmarks/distill/demo2/run_finetune3.log.json \
-    benchmarks/distill/demo2/run_deep3.log.json --continues run_finetune2=run_finetune \
-    --continues run_finetune3=run_finetune2 --continues run_deep3=run_finetune2 \
+    benchmarks/distill/demo2/run_deep3.log.json benchmarks/distill/demo2/run_finetune4.log.json \
+    --continues run_finetune2=run_finetune --continues run_finetune3=run_finetune2 --continues run_deep3=run_finetune2 \
+    --continues run_finetune4=run_finetune3 \
     --out benchmarks/results/scaling_curve
 fi
 if has ship; then  # the run whose best held-out evaluation is highest
   best=$(python - <<'PY'
 import json
-runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4", "runs/demo5", "runs/demo5-deep"]
+runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4", "runs/demo5", "runs/demo5-deep", "runs/demo6"]
 print(max(runs, key=lambda r: json.load(open(f"{r}/log.json"))["exported"]["mean_acceptance"]))
 PY
 )
