@@ -12,19 +12,16 @@ draft head, bfloat16).
 """
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from trainer_throughput import linked_features, write_report  # (benchmarks/ is this script's sys.path[0])
 
 import mlx_glimmer
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
-from mlx_glimmer.distill.features import TorchFeatures
 from mlx_glimmer.distill.torch_step import HeadCrossEntropy, TorchStep
 from mlx_glimmer.distill.train import Trainer, TrainConfig
 
@@ -70,12 +67,10 @@ def main() -> int:
     config = TrainConfig(layers=2, anchors=64, sequences_per_step=4, draft_vocab_size=8192, steps=10**6, warmup=10,
                          backend="torch", compile=True)
     work = Path(args.run_dir) / "step_shapes"
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "features").exists():
-        (work / "features").symlink_to(Path(args.features_dir).resolve())
-    trainer = Trainer(pair.target, records, config, work, mask_token_id=mask, feature_source=TorchFeatures(pair.target_path))
-    if trainer.features.done < len(records):
-        sys.exit(f"error: {args.features_dir} does not hold these answers' torch features (run a distill first)")
+    source = linked_features(Path(args.features_dir), records, pair, work)
+    if source is None:
+        sys.exit(f"error: {args.features_dir} holds MLX features; this compares torch steps (use a torch run's store)")
+    trainer = Trainer(pair.target, records, config, work, mask_token_id=mask, feature_source=source)
     static = trainer.step_fn
     dynamic = TorchStep(trainer.model, trainer.drafter_config, trainer.head, trainer.embed, config, compile=False)
     dynamic.forward = torch.compile(dynamic._forward, dynamic=True)
@@ -103,11 +98,8 @@ def main() -> int:
         "context_widths": sorted({b.ctx.shape[1] for batches in rounds for b in batches}),
         "compile_and_first_steps_seconds": compile_s,
         "head_loss_ms_by_chunk_rows": chunk_sweep(4 * 64 * 15, static.head_bf16),
-        "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     return 0
 
 

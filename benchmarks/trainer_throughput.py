@@ -58,6 +58,30 @@ def old_trainer_module():
     return module
 
 
+def linked_features(features: Path, records: list[dict], pair, run_dir: Path):
+    """Link a distill run's feature store into `run_dir` for a Trainer to reuse, only if it holds exactly these
+    answers' features (a Trainer opening a store of other answers would rewrite it); returns its feature source
+    (None: MLX's, the Trainer's default)."""
+    if not (features / "features.json").is_file():
+        sys.exit(f"error: {features / 'features.json'} not found (--features-dir takes a distill run's features/)")
+    source_name = json.loads((features / "features.json").read_text()).get("source", MLXFeatures.name)
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
+    if stored_sequences(features, lengths, dflash_target_layer_ids(pair.target.num_layers, TrainConfig().context_layers), source_name) < len(records):
+        sys.exit(f"error: {features} holds the features of other answers (or is unfinished); "
+                 "pass the run's own --records, or drop --features-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "features").exists():
+        (run_dir / "features").symlink_to(features.resolve())
+    return TorchFeatures(pair.target_path) if source_name.startswith("torch") else None
+
+
+def write_report(report: dict, out: str) -> None:
+    report["machine"] = {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
 def timed_old_steps(trainer, steps: int) -> tuple[float, float]:
     """(supervised positions, seconds) over `steps` optimiser steps of the old trainer."""
     positions, seconds = 0.0, 0.0
@@ -150,18 +174,7 @@ def main() -> int:
     old_mod = old_trainer_module()
     old = old_mod.Trainer(pair.target, records, old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10), work / "old", mask_token_id=mask)
     # (the old trainer computes a sequence's features in batch(), which runs outside its timer)
-    source = None
-    if args.features_dir:  # a run's store, reused only if it holds exactly these answers (else it would be rewritten)
-        features = Path(args.features_dir)
-        source_name = json.loads((features / "features.json").read_text()).get("source", MLXFeatures.name)
-        lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
-        if stored_sequences(features, lengths, dflash_target_layer_ids(pair.target.num_layers, TrainConfig().context_layers), source_name) < len(records):
-            sys.exit(f"error: {features} holds the features of other answers (or is unfinished); "
-                     "pass the run's own --records, or drop --features-dir")
-        (work / "new").mkdir(parents=True)
-        (work / "new" / "features").symlink_to(features.resolve())
-        if source_name.startswith("torch"):
-            source = TorchFeatures(pair.target_path)
+    source = linked_features(Path(args.features_dir), records, pair, work / "new") if args.features_dir else None
 
     trainers = {"old": (old, timed_old_steps)}
     skip = args.skip.split(",")
@@ -200,12 +213,9 @@ def main() -> int:
                 **{f"block_positions_per_second_{k[4:]}": v for k, v in rate.items() if k.startswith("new_")}},
         "speedup": {k[4:]: v / rate["old"] for k, v in rate.items() if k.startswith("new_")},
         "warm_up_seconds": warm_up_s,  # outside the timer: compiling (once per context width) and the first steps
-        "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
         "kernels_mlx_vs_torch": kernels,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     return 0
 
 
