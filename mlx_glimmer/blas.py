@@ -8,9 +8,12 @@ with an OpenBLAS in `LD_PRELOAD`, picked in this order:
 
 1. the system's `libopenblas.so.0` (for example Debian's `libopenblas0-pthread`);
 2. the `cmeel-openblas` wheel, a dependency of this package on Linux
-   (standard symbol names). It needs `libgfortran.so.5`: the system's, or else
-   numpy's bundled copy, exposed under its standard name through a folder of
-   links in the cache.
+   (standard symbol names). It needs `libgfortran.so.5`: numpy's bundled copy,
+   exposed under its standard name through a folder of links in the cache (put
+   on `LD_LIBRARY_PATH`), or else the system's.
+
+What a fresh process can load is decided from files (the loader cache, the
+disk), never by `dlopen` in this process, which may have loaded them already.
 
 The child checks that `cblas_sgemm` really resolves into the chosen library;
 when no fast BLAS can be had it says so once, in one line, with the fix.
@@ -21,9 +24,9 @@ macOS is untouched (Metal). `MLX_GLIMMER_BLAS=reference` turns all of this off.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import os
+import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -47,12 +50,26 @@ class BlasChoice:
     library_path: str | None = None  # a folder to put on LD_LIBRARY_PATH (links to its dependencies)
 
 
-def _loadable(name: str) -> bool:
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
+def system_libraries(soname: str) -> list[str]:
+    """The files the dynamic loader's cache (`ldconfig -p`) names for `soname` that exist on disk.
+
+    Decided from files, never by `dlopen` in this process: once a library is loaded (by our own preload, say),
+    `dlopen` of its soname succeeds whether or not a fresh process could find it, and `LD_LIBRARY_PATH` is
+    ours too; a stale cache may name files that are gone, hence the existence check."""
+    for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            listing = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10).stdout
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
+    else:
+        return []
+    found = []
+    for line in listing.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if name.split(" (")[0] == soname and os.path.isfile(path):
+            found.append(path)
+    return found
 
 
 def _site_dirs() -> list[Path]:
@@ -83,19 +100,17 @@ def gfortran_links(cache: Path) -> str | None:
 
 
 def find_openblas(cache: Path) -> BlasChoice | None:
-    for path in SYSTEM_PATHS:
+    """The OpenBLAS to preload, with what a fresh process needs to load it; None when there is none."""
+    for path in (*SYSTEM_PATHS, *system_libraries("libopenblas.so.0")):
         if os.path.isfile(path):
             return BlasChoice(path)
-    found = ctypes.util.find_library("openblas")
-    if found and _loadable(found):
-        return BlasChoice(found)
     for site in _site_dirs():
         wheel = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
         if wheel.is_file():
-            if _loadable("libgfortran.so.5"):
-                return BlasChoice(str(wheel))
-            links = gfortran_links(cache)
-            return BlasChoice(str(wheel), links) if links else None
+            links = gfortran_links(cache)  # numpy's copy whenever there is one: the same on every machine
+            if links:
+                return BlasChoice(str(wheel), links)
+            return BlasChoice(str(wheel)) if system_libraries("libgfortran.so.5") else None
     return None
 
 

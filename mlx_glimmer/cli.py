@@ -372,7 +372,8 @@ def cmd_parity(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import build_demo, cache_dir, refresh_drafter
+    from .demo import build_demo, refresh_drafter
+    from .paths import cache_dir
 
     existing = Path(args.out or cache_dir() / "demo")
     if not args.force and (existing / "glimmer.json").is_file() and (existing / "drafter").is_dir() and not args.no_drafter:
@@ -402,7 +403,7 @@ COMMANDS["serve"] = cmd_serve
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a real command line (not a test calling main): get a fast CPU BLAS first
         from .blas import ensure_fast_blas
-        from .demo import cache_dir
+        from .paths import cache_dir
 
         ensure_fast_blas(cache_dir() / "blas")
     parser = build_parser()

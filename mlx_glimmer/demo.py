@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import platform
 import shutil
 import sys
 from pathlib import Path
 
 from .errors import GlimmerError
+from .paths import cache_dir
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "data" / "demo_drafter"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_GLIMMER_CACHE", Path.home() / ".cache" / "mlx-glimmer")).expanduser()
 
 
 def default_format() -> tuple[int, str]:

@@ -205,7 +205,7 @@ def _remember(table: dict, owner, value) -> None:
 
 def auto_policy(pair, drafter: Drafter) -> WidthPolicy:
     """The `auto` width policy for this pair: verify cost measured once per bundle, device and dtype (cached on disk)."""
-    from .demo import cache_dir
+    from .paths import cache_dir
 
     width = drafter.block_size
     cost = _recall(_COSTS, pair.target)

@@ -1,5 +1,8 @@
+import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,12 +12,41 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny_checkpoints as tc  # noqa: E402
 
 
+HOME_DIRS = (Path.home() / ".cache", Path.home() / ".local" / "share")
+SANDBOX_ENV = "MLX_GLIMMER_TEST_SANDBOX"  # the run's private cache/data root, kept across the BLAS re-exec
+
+
+def home_entries() -> set[str]:
+    """What the real `~/.cache` and `~/.local/share` hold, two levels down (a test run must add nothing)."""
+    entries = set()
+    for root in HOME_DIRS:
+        for child in root.glob("*") if root.is_dir() else ():
+            entries.add(str(child))
+            entries.update(str(grandchild) for grandchild in child.glob("*") if child.is_dir())
+    return entries
+
+
+def sandbox_caches() -> None:
+    """Every cache and data folder the code under test (and pip, Hugging Face, XDG users) would write goes to a
+    temporary folder for this run, never to the real home."""
+    root = os.environ.get(SANDBOX_ENV)
+    if root is None:
+        root = tempfile.mkdtemp(prefix="mlx-glimmer-tests-")
+        os.environ[SANDBOX_ENV] = root
+        os.environ["MLX_GLIMMER_TEST_HOME_BEFORE"] = json.dumps(sorted(home_entries()))
+    for name, sub in (("MLX_GLIMMER_CACHE", "cache/mlx-glimmer"), ("XDG_CACHE_HOME", "cache"),
+                      ("XDG_DATA_HOME", "data"), ("PIP_CACHE_DIR", "cache/pip"), ("HF_HOME", "cache/huggingface")):
+        os.environ[name] = str(Path(root) / sub)
+
+
 def pytest_configure(config):
     """Run the suite on an optimized BLAS, as the `mlx-glimmer` command does (Linux: re-executes pytest once
-    with an OpenBLAS preloaded; elsewhere, or with MLX_GLIMMER_BLAS=reference, nothing happens)."""
+    with an OpenBLAS preloaded; elsewhere, or with MLX_GLIMMER_BLAS=reference, nothing happens), with every
+    cache in a temporary folder."""
     from mlx_glimmer.blas import reexec_env
-    from mlx_glimmer.demo import cache_dir
+    from mlx_glimmer.paths import cache_dir
 
+    sandbox_caches()
     env = reexec_env(cache_dir() / "blas")
     if env is not None:
         capture = config.pluginmanager.getplugin("capturemanager")
@@ -23,6 +55,16 @@ def pytest_configure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, sys.orig_argv, env)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when it left anything new in the real `~/.cache` or `~/.local/share`, then drop the sandbox."""
+    before = set(json.loads(os.environ.get("MLX_GLIMMER_TEST_HOME_BEFORE", "[]")))
+    new = sorted(home_entries() - before)
+    if new:
+        print(f"\nerror: the test run wrote outside its temporary folders: {', '.join(new)}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(os.environ[SANDBOX_ENV], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

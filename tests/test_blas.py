@@ -37,9 +37,7 @@ def test_reference_opt_out_keeps_mlx_own_blas():
 
 def test_the_wheel_openblas_loads_with_numpys_gfortran_when_the_system_has_none(tmp_path, monkeypatch):
     monkeypatch.setattr(blas, "SYSTEM_PATHS", ())
-    monkeypatch.setattr(blas.ctypes.util, "find_library", lambda name: None)
-    real = blas._loadable
-    monkeypatch.setattr(blas, "_loadable", lambda name: False if "gfortran" in name else real(name))
+    monkeypatch.setattr(blas, "system_libraries", lambda soname: [])
     choice = blas.find_openblas(tmp_path / "links")
     assert choice is not None and choice.library.endswith("cmeel.prefix/lib/libopenblas.so.0")
     assert choice.library_path == str(tmp_path / "links") and (tmp_path / "links" / "libgfortran.so.5").exists()
@@ -49,6 +47,37 @@ def test_the_wheel_openblas_loads_with_numpys_gfortran_when_the_system_has_none(
     library, numpy_gfortran = out.stdout.split()
     assert library == choice.library or os.path.realpath(library) == os.path.realpath(choice.library), out
     assert numpy_gfortran == "True", "libgfortran came from numpy's wheel, as the links say"
+
+
+def test_the_choice_does_not_depend_on_what_this_process_has_loaded(tmp_path, monkeypatch):
+    """Asked from a process that already runs on the wheel's OpenBLAS (as the re-executed test run does), the
+    choice still carries what a fresh process needs: the links to numpy's libgfortran."""
+    monkeypatch.setattr(blas, "SYSTEM_PATHS", ())
+    monkeypatch.setattr(blas, "system_libraries", lambda soname: [])
+    code = (
+        "import ctypes, pathlib, sys; from mlx_glimmer import blas; "
+        "blas.SYSTEM_PATHS = (); blas.system_libraries = lambda soname: []; "
+        "c = blas.find_openblas(pathlib.Path(sys.argv[1])); print(c.library, c.library_path)"
+    )
+    first = blas.find_openblas(tmp_path / "links")
+    env = clean_env(LD_PRELOAD=first.library, LD_LIBRARY_PATH=first.library_path)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "again")], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [first.library, str(tmp_path / "again")]
+
+
+def test_a_stale_loader_cache_entry_is_not_a_library(monkeypatch, tmp_path):
+    real = tmp_path / "libgfortran.so.5"
+    real.write_bytes(b"")
+    listing = (
+        "3 libs found in cache `/etc/ld.so.cache'\n"
+        "\tlibgfortran.so.5 (libc6,x86-64) => /gone/libgfortran.so.5\n"
+        f"\tlibgfortran.so.5 (libc6,x86-64) => {real}\n"
+        f"\tlibquadmath.so.0 (libc6,x86-64) => {real}\n"
+    )
+    monkeypatch.setattr(blas.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=listing))
+    assert blas.system_libraries("libgfortran.so.5") == [str(real)]
+    assert blas.system_libraries("libopenblas.so.0") == []
 
 
 def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys):
@@ -63,20 +92,26 @@ def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys):
 
 
 def test_the_blas_never_changes_greedy_tokens(llama_pair, checkpoints, tmp_path):
-    """Same tiny pair, plain greedy, reference BLAS versus OpenBLAS: the same token ids."""
+    """Same tiny pair, plain greedy, reference BLAS versus OpenBLAS: the same token ids; and each run called
+    the BLAS it names (a preload the loader ignores would compare the reference BLAS with itself)."""
     code = (
-        "import json, sys; import mlx_glimmer; "
+        "import json, sys; import mlx_glimmer; from mlx_glimmer.blas import sgemm_library; "
         "pair = mlx_glimmer.load(target=sys.argv[1], drafter=sys.argv[2]); "
         "r = mlx_glimmer.generate(pair, list(range(260, 0, -9))[:24], max_tokens=40, speculative=False); "
-        "print(json.dumps(r.token_ids))"
+        "print(json.dumps({'tokens': r.token_ids, 'sgemm': sgemm_library()}))"
     )
+    choice = blas.find_openblas(tmp_path / "links")
+    assert choice is not None, "the package depends on cmeel-openblas on Linux"
+    envs = {
+        "reference": clean_env(MLX_GLIMMER_BLAS="reference"),
+        "openblas": clean_env(LD_PRELOAD=choice.library, **({"LD_LIBRARY_PATH": choice.library_path} if choice.library_path else {})),
+    }
     runs = {}
-    for name, env in (("reference", clean_env(MLX_GLIMMER_BLAS="reference")), ("openblas", None)):
-        if env is None:
-            choice = blas.find_openblas(tmp_path / "links")
-            env = clean_env(LD_PRELOAD=choice.library, **({"LD_LIBRARY_PATH": choice.library_path} if choice.library_path else {}))
+    for name, env in envs.items():
         out = subprocess.run([sys.executable, "-c", code, str(checkpoints["llama"]), str(checkpoints["llama_assistant"])],
                              env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    assert runs["reference"] == runs["openblas"] and len(runs["openblas"]) == 40
+    assert os.path.realpath(runs["openblas"]["sgemm"]) == os.path.realpath(choice.library), runs["openblas"]["sgemm"]
+    assert not blas.is_fast(runs["reference"]["sgemm"]), runs["reference"]["sgemm"]
+    assert runs["reference"]["tokens"] == runs["openblas"]["tokens"] and len(runs["openblas"]["tokens"]) == 40

@@ -1,0 +1,13 @@
+"""Where mlx-glimmer keeps what it builds: one place, so nothing else needs to import the demo builder for a path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "MLX_GLIMMER_CACHE"
+
+
+def cache_dir() -> Path:
+    """`$MLX_GLIMMER_CACHE`, default `~/.cache/mlx-glimmer`: the demo bundle, BLAS links, verify-cost tables."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx-glimmer").expanduser()
