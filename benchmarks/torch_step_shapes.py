@@ -22,8 +22,9 @@ from trainer_throughput import linked_features, write_report  # (benchmarks/ is 
 import mlx_glimmer
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
+from mlx_glimmer.distill.step import TrainConfig
 from mlx_glimmer.distill.torch_step import HeadCrossEntropy, TorchStep
-from mlx_glimmer.distill.train import Trainer, TrainConfig
+from mlx_glimmer.distill.train import Trainer
 
 
 def timed(step, batches) -> tuple[float, float]:

@@ -41,14 +41,16 @@ import mlx_glimmer
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
 from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures, stored_sequences
-from mlx_glimmer.drafter import dflash_target_layer_ids
-from mlx_glimmer.distill.train import Trainer, TrainConfig
+from mlx_glimmer.distill.step import TrainConfig
+from mlx_glimmer.distill.train import Trainer
+from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
 
 OLD_COMMIT = "c12d381"
 
 
 def old_trainer_module():
     source = subprocess.run(["git", "show", f"{OLD_COMMIT}:mlx_glimmer/distill/train.py"], capture_output=True, text=True, check=True).stdout
+    source = source.replace("from ..drafter import", "from ..drafters.dflash import")  # its import, at today's path
     path = Path(tempfile.mkdtemp()) / "train_old.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"mlx_glimmer.distill.train_{OLD_COMMIT}", path)

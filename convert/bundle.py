@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..errors import GlimmerError
 from ..loading import BUNDLE_FORMAT
 from .drafter_plan import plan_drafter

@@ -1,23 +1,24 @@
-"""The drafter of a bundle: a `muse_glimmer_assistant` (or z-lab DFlash) checkpoint checked against its target."""
+"""The drafter of a bundle: a block-drafter checkpoint (DFlash, DFlash2 or DSpark) checked against its target.
+
+The family comes from the checkpoint's config.json (`mlx_glimmer.drafters.registry`); every family goes
+the same way: its config is checked against the target and for its own needs before a byte is written,
+every tensor is matched to the family's (lazily built) model, weights are quantized the way mlx-lm
+would (`--drafter-bits`), and the written config.json is the family's `to_dict()` with `vocab_size` and
+`num_target_layers` filled in from the target: the assistant layout for DFlash (a z-lab checkpoint's
+shorter `context_reach` included), the source config for DFlash2 and DSpark (so the bundle's drafter is
+detected as the same family).
+"""
 
 from __future__ import annotations
 
-from ..drafter import DFlashModel, DrafterConfig
+from ..drafters import FAMILIES, family_of
+from ..drafters.base import validate_pair
 from ..errors import GlimmerError
-from ..families import family_of
-from ..loading import validate_pair
-from .plan import ModelPlan, finish_config, match_weights, read_config
+from ..files import read_config_json
+from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import checkpoint_tensors
 from .sources import Source
-
-
-def drafter_config_dict(cfg: DrafterConfig) -> dict:
-    d = cfg.to_dict()
-    # z-lab checkpoints reach one position less than transformers' mask; to_dict does not say so.
-    if cfg.context_reach != cfg.sliding_window:
-        d["context_reach"] = cfg.context_reach
-    return d
 
 
 def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name: str) -> ModelPlan:
@@ -25,26 +26,27 @@ def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name:
     if source.kind != "dir":
         raise GlimmerError(f"{source.path}: a drafter must be a safetensors checkpoint directory")
     config_path = source.path / "config.json"
-    raw = read_config(source.path)
+    raw = read_config_json(source.path, "drafter")
     kind = family_of(raw)
-    if kind in ("dflash2", "dspark"):
-        from .family_plan import plan_family_drafter
-
-        return plan_family_drafter(kind, source, raw, target, bits, group_size, dtype_name)
-    cfg = DrafterConfig.from_dict(raw)
-    if raw.get("model_type") != "muse_glimmer_assistant" and cfg.source_format != "dflash":
+    if kind is None:
         raise GlimmerError(
-            f"{config_path}: model_type {raw.get('model_type')!r} is not a DFlash drafter "
-            "(expected muse_glimmer_assistant or a z-lab DFlash config)"
+            f"{config_path}: model_type {raw.get('model_type')!r} is not a block drafter (expected "
+            "muse_glimmer_assistant, a z-lab DFlash / DFlash2 config or a DSpark head)"
         )
+    family = FAMILIES[kind]
+    cfg = family.config_class.from_raw(raw, config_path)
     if cfg.vocab_size is None:
         cfg.vocab_size = target.vocab_size
     if cfg.num_target_layers is None:
         cfg.num_target_layers = target.num_layers
     validate_pair(target, cfg, source.path)
-    model = DFlashModel(cfg)
-    tensors = DFlashModel.sanitize(checkpoint_tensors(source.path))
-    match_weights(tensors, model, source.path, "the drafter described by its config.json")
+    cfg.check(config_path)
+    tensors = family.model_class.sanitize(checkpoint_tensors(source.path))
+    if not tensors:
+        raise GlimmerError(f"{source.path}: no tensors for the drafter")
+    cfg.adopt_weights(tensors)
+    model = family.model_class(cfg)
+    match_weights(tensors, model, source.path, f"the {kind} drafter described by its config.json")
 
     default = QuantSpec(bits, group_size) if bits < 16 else None
     quantized = weight_specs(model, tensors, bits, group_size, None)
@@ -56,7 +58,7 @@ def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name:
     return ModelPlan(
         name="drafter",
         source=source,
-        config=finish_config(drafter_config_dict(cfg), quantized, dtype_name, default),
+        config=finish_config(cfg.to_dict(), quantized, dtype_name, default),
         items=items,
         quantized=quantized,
         model=model,

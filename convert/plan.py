@@ -7,7 +7,6 @@ found here, before the bundle's temporary directory exists.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -34,19 +33,6 @@ class ModelPlan:
     @property
     def source_bytes(self) -> int:
         return sum(item.source_bytes for item in self.items)
-
-
-def read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise GlimmerError(f"{path}: config.json not found")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GlimmerError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise GlimmerError(f"{path}: not a JSON object")
-    return config
 
 
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -9,8 +9,9 @@ from typing import Callable
 from mlx_lm.utils import _get_classes
 
 from ..errors import GlimmerError
+from ..files import read_config_json
 from ..loading import TEXT_PREFIXES
-from .plan import ModelPlan, finish_config, match_weights, read_config
+from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import DTYPES, checkpoint_tensors
 from .sources import Source
@@ -82,7 +83,7 @@ def plan_target(
     source: Source, bits: int, group_size: int, dtype_name: str, embed_bits: int | None = None
 ) -> ModelPlan:
     config_path = source.path / "config.json"
-    raw = read_config(source.path)
+    raw = read_config_json(source.path, "target")
     if "model_type" not in raw:
         raise GlimmerError(f"{config_path}: no model_type field")
     if "quantization" in raw or "quantization_config" in raw:

@@ -25,7 +25,9 @@ import mlx.core as mx
 from .block_policy import describe
 from .distill.data import DATA_DIR, load_prompts
 from .errors import GlimmerError
+from .flags import add_drafter_flags
 from .generate import encode_prompt, stream_generate
+from .settings import GenerationSettings
 
 
 @dataclass
@@ -92,7 +94,7 @@ def environment(pair) -> dict:
         "target": str(pair.target_path),
         "target_quantization": pair.quantization,
         "drafter": str(pair.drafter_path) if pair.drafter_path else None,
-        "drafter_kind": getattr(pair.drafter, "kind", None),
+        "drafter_kind": pair.drafter.kind if pair.drafter is not None else None,
     }
     try:
         import torch
@@ -118,9 +120,9 @@ def time_mlx_lm(pair, ids: list[int], max_tokens: int) -> tuple[list[int], float
     return tokens, (last_at - first_at) if tokens else 0.0
 
 
-def time_ours(pair, ids, max_tokens, **kw):
+def time_ours(pair, ids, settings: GenerationSettings):
     result_ids, stats = [], None
-    for chunk in stream_generate(pair, ids, max_tokens=max_tokens, **kw):
+    for chunk in stream_generate(pair, ids, settings):
         result_ids.extend(chunk.token_ids)
         stats = chunk.stats
     decode_s = (stats.generated_tokens - 1) / stats.decode_tokens_per_second if stats.decode_tokens_per_second else 0.0
@@ -135,10 +137,11 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | s
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     methods = (["mlx_lm"] if baseline else []) + ["plain"] + [f"spec_b{b}" for b in block_sizes]
     results = {m: Measurement(m) for m in methods}
+    warm = GenerationSettings(max_tokens=16)
     for ids in encoded[:warmup]:
         for b in block_sizes[:1]:
-            time_ours(pair, ids, 16, block_size=b)
-        time_ours(pair, ids, 16, speculative=False)
+            time_ours(pair, ids, warm.updated(block_size=b))
+        time_ours(pair, ids, warm.updated(speculative=False))
     for rep in range(repeats):
         for n, ids in enumerate(encoded):
             reference = None
@@ -147,10 +150,10 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | s
                     toks, dt = time_mlx_lm(pair, ids, max_tokens)
                     results[m].add(max(len(toks) - 1, 0), dt)
                 else:
-                    spec = m != "plain"
                     width = m.removeprefix("spec_b")
-                    kw = {"block_size": width if width == "auto" else int(width)} if spec else {"speculative": False}
-                    toks, dt, stats = time_ours(pair, ids, max_tokens, **kw)
+                    settings = GenerationSettings(max_tokens=max_tokens, speculative=m != "plain",
+                                                  block_size="auto" if width in ("auto", "plain") else int(width))
+                    toks, dt, stats = time_ours(pair, ids, settings)
                     results[m].add(max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths,
                                    stats.verify_widths)
                 if reference is None:
@@ -195,7 +198,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_bench_parser(sub, add_common) -> None:
+def add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="measure plain vs speculative tokens/s side by side",
@@ -215,7 +218,7 @@ def add_bench_parser(sub, add_common) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json-out", default=None, help="write the JSON report here")
-    add_common(p)
+    add_drafter_flags(p)
 
 
 def cmd_bench(args, open_pair) -> int:

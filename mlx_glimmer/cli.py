@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from .chat_template import REASONING_LEVELS
 from .errors import GlimmerError
+from .flags import add_drafter_flags, add_sampling_flags, checked, settings_from_args
 
 JSON_FIELDS = (
     "prompt_tokens",
@@ -47,53 +49,10 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def block_size_arg(text: str) -> int | str:
-    return "auto" if text == "auto" else positive_int(text)
-
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    p.add_argument(
-        "--block-size",
-        type=block_size_arg,
-        default=None,
-        metavar="auto|N",
-        help="verify width: drafted tokens + the anchor. auto (default): chosen every round from the measured "
-        "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
-        "drafting does not pay; N fixes it",
-    )
-    p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
-
-
-def add_drafter_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--drafter",
-        default=None,
-        help="drafter directory replacing the bundle's: a DFlash checkpoint, or any mlx-lm model with the "
-        "target's tokenizer (classic drafting)",
-    )
-    p.add_argument(
-        "--draft-k", type=positive_int, default=None,
-        help="tokens per round for a draft model (default: adaptive) or prompt lookup (default 10)",
-    )
-    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
-
-
 def version_line() -> str:
     import mlx.core as mx
 
-    from . import __version__
+    from ._version import __version__
     from .blas import sgemm_library
 
     device = mx.default_device()
@@ -131,25 +90,18 @@ def build_parser() -> Parser:
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
 
+    from .bench import add_bench_parser
+    from .convert.cli import add_convert_parser
+    from .distill.run import add_distill_parser
+    from .server.cli import add_serve_parser
     from .torch_backend.cli import add_backend_flags, add_parity_parser
 
     add_backend_flags(g)
-    add_parity_parser(sub, positive_int)
-
-    from .convert.cli import add_convert_parser
-
+    add_parity_parser(sub)
     add_convert_parser(sub)
-
-    from .bench import add_bench_parser
-    from .distill.run import add_distill_parser
-
-    add_bench_parser(sub, add_drafter_flags)
-
+    add_bench_parser(sub)
     add_distill_parser(sub)
-
-    from .server_cli import add_serve_parser
-
-    add_serve_parser(sub, add_drafter_flags, positive_int)
+    add_serve_parser(sub)
 
     d = sub.add_parser(
         "demo",
@@ -194,31 +146,25 @@ def build_parser() -> Parser:
     c.add_argument("--list", action="store_true", help="list the saved conversations and exit")
     c.add_argument("--no-history", action="store_true", help="neither read nor save conversations")
     c.add_argument("--system", default=None, help="system prompt")
+    from .tui.session import DEFAULT_CHAT
+
     c.add_argument(
         "--reasoning",
-        choices=("low", "medium", "high", "xhigh"),
-        help="reasoning strength, for models whose chat template has one (default high)",
+        choices=REASONING_LEVELS,
+        help=f"reasoning strength, for models whose chat template has one (default {DEFAULT_CHAT.reasoning})",
     )
     c.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
-    add_sampling_flags(c)
-    next(a for a in c._actions if a.dest == "max_tokens").help = "most tokens per answer (default 1024)"
-    # Defaults live in CHAT_SETTINGS, so a flag given next to --resume is told apart and overrides the stored value.
-    c.set_defaults(**{dest: None for dest in CHAT_SETTINGS})
+    add_sampling_flags(c, DEFAULT_CHAT.generation(seed=0), what="per answer")
+    next(a for a in c._actions if a.dest == "seed").help = "random seed for sampling (default: a fresh one per answer)"
+    # Defaults live in the chat's Settings, so a flag given next to --resume is told apart and overrides the
+    # stored value.
+    c.set_defaults(**{dest: None for dest in CHAT_FLAGS})
     return parser
 
 
-# chat flag dest -> (Settings field, default)
-CHAT_SETTINGS = {
-    "max_tokens": ("max_tokens", 1024),
-    "temp": ("temperature", 0.0),
-    "top_p": ("top_p", 1.0),
-    "top_k": ("top_k", 0),
-    "seed": ("seed", None),  # None: a fresh seed per turn
-    "block_size": ("block_size", None),
-    "no_spec": ("speculative", True),
-    "system": ("system", None),
-    "reasoning": ("reasoning", "high"),
-}
+# chat flag dest -> chat Settings field
+CHAT_FLAGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+              "block_size": "block_size", "no_spec": "speculative", "system": "system", "reasoning": "reasoning"}
 
 
 def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True, **kwargs):
@@ -235,6 +181,7 @@ def cmd_generate(args) -> int:
     from .generate import stream_generate
     from .torch_backend.cli import open_backend
 
+    settings = settings_from_args(args, "generate")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pair = open_backend(args, open_pair)
     if args.chat:
@@ -244,17 +191,7 @@ def cmd_generate(args) -> int:
         prompt = messages
     elif args.system:
         raise GlimmerError("--system needs --chat")
-    chunks = stream_generate(
-        pair,
-        prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        block_size=args.block_size,
-        speculative=not args.no_spec,
-    )
+    chunks = stream_generate(pair, prompt, settings)
     text, ids, stats = [], [], None
     for chunk in chunks:
         text.append(chunk.text)
@@ -311,16 +248,12 @@ def cmd_chat(args) -> int:
         raise GlimmerError("chat: the first message is empty")
     if args.no_history and (args.list or args.resume is not None):
         raise GlimmerError(f"chat: {'--list' if args.list else '--resume'} reads the history; drop --no-history")
-    given = {field: getattr(args, dest) for dest, (field, _) in CHAT_SETTINGS.items() if getattr(args, dest) is not None}
+    from .tui.session import DEFAULT_CHAT
+
+    given = {field: getattr(args, dest) for dest, field in CHAT_FLAGS.items() if getattr(args, dest) is not None}
     if "speculative" in given:  # --no-spec
         given["speculative"] = False
-    values = {field: default for field, default in CHAT_SETTINGS.values()} | given
-    if not values["temperature"] >= 0:
-        raise GlimmerError(f"chat: --temp must be >= 0, got {values['temperature']}")
-    if not 0 < values["top_p"] <= 1:
-        raise GlimmerError(f"chat: --top-p must be in (0, 1], got {values['top_p']}")
-    if values["top_k"] < 0:
-        raise GlimmerError(f"chat: --top-k must be >= 0, got {values['top_k']}")
+    settings = checked("chat", lambda: DEFAULT_CHAT.with_changes(**given))
     from .tui.store import StoreError, format_list, open_store, resolve
 
     store, warning, resume = None, None, None
@@ -344,9 +277,7 @@ def cmd_chat(args) -> int:
             hint = " (a message goes before --resume)" if " " in args.resume else ""
             raise GlimmerError(f"chat: {e}{hint}") from None
     from .tui.app import run
-    from .tui.session import Settings
 
-    settings = Settings(**values)
     # The drafter is loaded even with --no-spec, so `/spec on` can turn it on.
     # A resumed chat takes its stored settings, then the flags given here.
     return run(lambda: open_pair(bundle, args.drafter), settings, source=bundle or "the demo pair", store=store,
@@ -387,17 +318,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill, "bench": cmd_bench, "demo": cmd_demo,
-            "parity": cmd_parity}
-
-
 def cmd_serve(args) -> int:
-    from .server_cli import cmd_serve as run
+    from .server.cli import cmd_serve as run
 
     return run(args, open_pair)
 
 
-COMMANDS["serve"] = cmd_serve
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill,
+            "bench": cmd_bench, "demo": cmd_demo, "parity": cmd_parity, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,17 +22,35 @@ import platform
 import time
 import weakref
 from contextlib import closing
-from pathlib import Path
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
 
 from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, describe, width_policy
+from .chat_template import has_chat_template
 from .errors import GlimmerError
-from .loading import Pair
+from .paths import cache_dir
 from .sampling import SamplingParams
-from .speculative import DecodeState, Drafter, generate_steps
+from .settings import GenerationSettings
+from .speculative import DecodeState, Drafter, TargetModel, generate_steps
 
 Prompt = str | Sequence[int] | Sequence[dict]
+
+
+class GenerationPair(Protocol):
+    """What `stream_generate` needs of a pair: `loading.Pair` (MLX) and `torch_backend.TorchPair` both are one.
+
+    device_key   where and in what precision the target computes ("default|" on MLX, "cuda:0|torch.bfloat16"
+                 on torch): verify costs are measured and cached per bundle and device_key
+    """
+
+    target: TargetModel
+    drafter: Drafter | None
+    tokenizer: Any  # mlx-lm's TokenizerWrapper: encode, eos_token_ids, detokenizer, chat template
+    target_path: Path
+
+    @property
+    def device_key(self) -> str: ...
 
 
 @dataclass
@@ -94,7 +112,7 @@ def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None =
     if all(isinstance(t, int) for t in prompt):
         return prompt
     if all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        if getattr(tokenizer, "chat_template", None) is None:
+        if not has_chat_template(tokenizer):
             raise GlimmerError("this tokenizer has no chat template; pass a plain string prompt")
         text = tokenizer.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
@@ -104,42 +122,48 @@ def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None =
 
 
 def stream_generate(
-    pair: Pair,
+    pair: GenerationPair,
     prompt: Prompt,
+    settings: GenerationSettings | None = None,
     *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     block_size: int | str | None = None,
-    seed: int = 0,
-    speculative: bool = True,
+    seed: int | None = None,
+    speculative: bool | None = None,
     chat_template_kwargs: dict | None = None,
     state: DecodeState | None = None,
 ) -> Iterator[GenerationChunk]:
     """Yield text as tokens are committed, with running stats. `pair`: from `load` or `torch_backend.load_torch`.
 
-    Pass the same `state` (a `DecodeState`) on every turn of a conversation to
-    keep its KV cache and drafter context: each turn then prefills only the
-    tokens its prompt adds to what is already cached.
+    How to generate is `settings` (a `GenerationSettings`; default: greedy, 256 tokens, block size "auto",
+    speculative, seed 0); a keyword given here replaces its field (None leaves it). Pass the same `state`
+    (a `DecodeState`) on every turn of a conversation to keep its KV cache and drafter context: each turn
+    then prefills only the tokens its prompt adds to what is already cached.
     """
-    request = prepare_request(pair, prompt, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
-                              speculative=speculative, chat_template_kwargs=chat_template_kwargs)
+    settings = (settings or GenerationSettings()).updated(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size, seed=seed,
+        speculative=speculative,
+    )
+    request = prepare_request(pair, prompt, settings, chat_template_kwargs)
     pair.target.reset_peak_memory()
     start = time.perf_counter()
     steps = generate_steps(
         pair.target,
         request.tokens,
         drafter=request.drafter,
-        params=request.params,
+        params=settings.sampling,
         block_size=request.block_size,
-        max_tokens=max_tokens,
+        max_tokens=settings.max_tokens,
         stop_ids=pair.tokenizer.eos_token_ids,
-        seed=seed,
+        seed=settings.seed,
         state=state,
         policy=request.policy,
     )
-    yield from chunks_from_steps(pair.tokenizer, steps, request.stats, max_tokens, start, pair.target.peak_memory_gb)
+    yield from chunks_from_steps(pair.tokenizer, steps, request.stats, settings.max_tokens, start,
+                                 pair.target.peak_memory_gb)
 
 
 @dataclass
@@ -154,38 +178,29 @@ class Request:
     policy: WidthPolicy | None = None  # block size "auto": the width is chosen every round
 
 
-def prepare_request(pair, prompt: Prompt, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    block_size: int | str | None = None, speculative: bool = True,
+def prepare_request(pair: GenerationPair, prompt: Prompt, settings: GenerationSettings,
                     chat_template_kwargs: dict | None = None) -> Request:
-    """Validate one request, so every caller accepts and refuses the same things.
+    """Encode and check one request's prompt against the pair, and settle its drafter and verify width.
 
-    `block_size`: an int fixes the verify width; "auto" (and None, the default)
-    chooses it every round from measured verify cost and live acceptance, up to
-    the drafter's own block size (`block_policy.py`)."""
-    try:
-        params = SamplingParams(temperature, top_p, top_k)
-    except ValueError as e:
-        raise GlimmerError(str(e)) from None
+    `settings.block_size`: an int fixes the verify width; "auto" chooses it every round from measured
+    verify cost and live acceptance, up to the drafter's own block size (`block_policy.py`)."""
     tokens = encode_prompt(pair.tokenizer, prompt, chat_template_kwargs)
     vocab = pair.target.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
         raise GlimmerError(f"prompt token ids must lie in [0, {vocab})")
-    drafter = pair.drafter if speculative else None
-    auto = block_size is None or block_size == "auto"
-    if not auto and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-        raise GlimmerError(f"block_size must be 'auto' or an integer >= 1, got {block_size!r}")
-    if auto:
+    drafter = pair.drafter if settings.speculative else None
+    if settings.auto:
         block_size = drafter.block_size if drafter is not None else 1
-    if block_size < 1:
-        raise GlimmerError(f"block_size must be >= 1, got {block_size}")
-    policy = auto_policy(pair, drafter) if auto and drafter is not None and drafter.block_size > 1 else None
+    else:
+        block_size = settings.block_size
+    policy = auto_policy(pair, drafter) if settings.auto and drafter is not None and drafter.block_size > 1 else None
     stats = GenerationStats(
         prompt_tokens=len(tokens),
         drafter_kind=drafter.kind if drafter is not None else "none",
         block_size=block_size if drafter is not None else 1,
         block_policy="auto" if policy is not None else "fixed",
     )
-    return Request(tokens, params, drafter, block_size, stats, policy)
+    return Request(tokens, settings.sampling, drafter, block_size, stats, policy)
 
 
 # Per target: its measured verify cost; per drafter: the policy of its last generation (acceptance carries
@@ -203,17 +218,15 @@ def _remember(table: dict, owner, value) -> None:
     table[id(owner)] = (weakref.ref(owner, lambda _, k=id(owner): table.pop(k, None)), value)
 
 
-def auto_policy(pair, drafter: Drafter) -> WidthPolicy:
+def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
     """The `auto` width policy for this pair: verify cost measured once per bundle, device and dtype (cached on disk)."""
-    from .paths import cache_dir
-
     width = drafter.block_size
     cost = _recall(_COSTS, pair.target)
     if cost is None or cost.max_width != width:
         config = Path(pair.target_path) / "config.json"
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
-        key = "|".join(map(str, (Path(pair.target_path).resolve(), stamp, type(pair.target).__name__,
-                                 getattr(pair, "device", "default"), getattr(pair, "dtype", ""), platform.machine())))
+        key = "|".join(map(str, (Path(pair.target_path).resolve(), stamp, type(pair.target).__name__, pair.device_key,
+                                 platform.machine())))
         cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost")
         _remember(_COSTS, pair.target, cost)
     policy = width_policy(width, cost, _recall(_POLICIES, drafter))
@@ -278,6 +291,7 @@ def collect(chunks) -> GenerationResult:
     return GenerationResult("".join(text), ids, stats)
 
 
-def generate(pair: Pair, prompt: Prompt, **kwargs) -> GenerationResult:
-    """Generate a whole answer; keywords as `stream_generate`."""
-    return collect(stream_generate(pair, prompt, **kwargs))
+def generate(pair: GenerationPair, prompt: Prompt, settings: GenerationSettings | None = None,
+             **kwargs) -> GenerationResult:
+    """Generate a whole answer; `settings` and keywords as `stream_generate`."""
+    return collect(stream_generate(pair, prompt, settings, **kwargs))

@@ -21,8 +21,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .blas import check_fast_blas
-from .drafter import DFlashDrafter, DrafterConfig, load_dflash_model, read_drafter_config, validate_pair
+from .drafters import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
+from .files import check_model_dir, check_weight_files
 from .speculative import Drafter
 from .target import Target
 
@@ -41,6 +42,11 @@ class Pair:
     @property
     def name(self) -> str:
         return self.target_path.parent.name if self.target_path.name == "target" else self.target_path.name
+
+    @property
+    def device_key(self) -> str:
+        """MLX computes on its default device, in the weights' own dtype (`generate.GenerationPair`)."""
+        return "default|"
 
     @property
     def quantization(self) -> str:
@@ -63,28 +69,16 @@ def _text_tower_classes(config: dict):
     return TextTower, args_class
 
 
-def _check_model_dir(path: Path, what: str) -> None:
-    if not path.exists():
-        raise GlimmerError(f"{path}: {what} directory not found")
-    if not path.is_dir():
-        raise GlimmerError(f"{path}: {what} must be a directory")
-    if not (path / "config.json").is_file():
-        raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
-    if not list(path.glob("model*.safetensors")):
-        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
-
-
 def read_target_config(path: Path) -> dict:
     """A target directory's config.json (eos ids from generation_config.json), once the directory checks out."""
-    _check_model_dir(path, "target")
+    check_model_dir(path, "target")
     try:
         config = load_config(path)
     except json.JSONDecodeError as e:
         raise GlimmerError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     if "model_type" not in config:
         raise GlimmerError(f"{path / 'config.json'}: no model_type field")
-    for f in path.glob("*.safetensors"):
-        _check_safetensors(f)
+    check_weight_files(path, "*.safetensors")
     return config
 
 
@@ -108,61 +102,22 @@ def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
     return Target(model, config), open_tokenizer(path, config)
 
 
-def _check_safetensors(path: Path) -> None:
-    """A truncated safetensors file fails here with its name, not deep inside a load."""
-    try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if path.stat().st_size < 8 + header_len + end:
-            raise GlimmerError(f"{path}: truncated safetensors file ({path.stat().st_size} bytes, header promises {8 + header_len + end})")
-    except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError):
-        raise GlimmerError(f"{path}: not a safetensors file") from None
-
-
-def drafter_kind(path: Path) -> str:
-    """The block-drafter family ("dflash", "dflash2", "dspark"), or "draft-model" for any other (causal LM) model dir."""
-    try:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return "dflash"  # load_drafter names the problem
-    from .families import family_of
-
-    return family_of(raw) or "draft-model"
-
-
-def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | None = None):
-    """A DFlash drafter, or (any other mlx-lm model dir) a classic autoregressive draft model."""
+def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | None = None) -> Drafter:
+    """A block drafter (its family read from config.json), or (any other mlx-lm model dir) a classic
+    autoregressive draft model, `draft_k` tokens per round (adaptive when None)."""
     path = Path(path)
-    _check_model_dir(path, "drafter")
-    if drafter_kind(path) == "draft-model":
-        from .draft_model import DraftModelDrafter, check_same_tokenizer
-
-        draft, draft_tok = load_target(path)
-        if tokenizer is not None:
-            check_same_tokenizer(tokenizer, draft_tok, str(path))
-        if draft.vocab_size != target.vocab_size:
-            raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
-        k = draft_k or 4
-        return DraftModelDrafter(draft.model, draft_k=k, adaptive=draft_k is None, max_k=16)
+    check_model_dir(path, "drafter")
     kind = drafter_kind(path)
-    if kind in ("dflash2", "dspark"):
-        from .families import load_family_drafter
+    if kind != DRAFT_MODEL:
+        return FAMILIES[kind].load(path, target)
+    from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
 
-        for f in path.glob("model*.safetensors"):
-            _check_safetensors(f)
-        return load_family_drafter(kind, path, target)
-    return DFlashDrafter(load_dflash_model(path, checked_dflash_config(path, target)), target)
-
-
-def checked_dflash_config(path: Path, target) -> DrafterConfig:
-    """A DFlash drafter's config, checked against `target` (either backend), with its weight files."""
-    cfg = read_drafter_config(path)
-    validate_pair(target, cfg, path)
-    for f in path.glob("model*.safetensors"):
-        _check_safetensors(f)
-    return cfg
+    draft, draft_tok = load_target(path)
+    if tokenizer is not None:
+        check_same_tokenizer(tokenizer, draft_tok, str(path))
+    if draft.vocab_size != target.vocab_size:
+        raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
+    return DraftModelDrafter(draft.model, draft_k=draft_k or 4, adaptive=draft_k is None, max_k=16)
 
 
 def read_bundle_manifest(path: Path) -> dict[str, Any]:
@@ -200,7 +155,7 @@ def load(
     tgt, tokenizer = load_target(paths.target)
     drafter_path = paths.drafter
     if prompt_lookup and use_drafter:
-        from .prompt_lookup import PromptLookupDrafter
+        from .drafters.prompt_lookup import PromptLookupDrafter
 
         d, drafter_path = PromptLookupDrafter(draft_k=draft_k or 10), None
     else:

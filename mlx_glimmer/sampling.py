@@ -9,24 +9,45 @@ target's filtered distribution exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .errors import GlimmerError
+
+
+class SamplingError(GlimmerError, ValueError):
+    """A sampling setting out of range. `field` names it as the API does; `rule` says what it must be,
+    so a command line or a chat command can name its own flag (`named`)."""
+
+    def __init__(self, field: str, rule: str, value):
+        self.field, self.rule, self.value = field, rule, value
+        super().__init__(self.named(field))
+
+    def named(self, name: str) -> str:
+        return f"{name} {self.rule}, got {self.value}"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Temperature (0 = greedy), top-p and top-k; the one place they are checked (`SamplingError`)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+        if not (_number(self.temperature) and self.temperature >= 0):
+            raise SamplingError("temperature", "must be a number >= 0", self.temperature)
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError("top_p", "must be in (0, 1]", self.top_p)
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise SamplingError("top_k", "must be a whole number >= 0", self.top_k)
 
     @property
     def greedy(self) -> bool:

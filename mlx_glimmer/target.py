@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import make_rollback_cache, trim_cache
 from . import sampling as mlx_sampling
+from .cache import make_rollback_cache, trim_cache
 
 
 class FeatureRecorder:
@@ -98,11 +98,16 @@ def output_head(project: Callable, multiplier: float | None, cap: float | None, 
     return head
 
 
+def output_projection(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The model's output projection alone (no multiplier, no soft-cap): its lm_head, or the tied embedding."""
+    lm_head = model.get("lm_head") if isinstance(model, dict) else None
+    return lm_head if lm_head is not None else model.model.embed_tokens.as_linear
+
+
 def make_head(model: nn.Module, project: Callable | None = None) -> Callable[[mx.array], mx.array]:
     """hidden states after the final norm -> logits, exactly as `model.__call__` does it."""
     if project is None:
-        lm_head = model.get("lm_head") if isinstance(model, dict) else None
-        project = lm_head if lm_head is not None else model.model.embed_tokens.as_linear
+        project = output_projection(model)
     args = getattr(model, "args", None)
     return output_head(project, getattr(args, "output_multiplier", None),
                        getattr(args, "final_logit_softcapping", None), mx.tanh)

@@ -11,7 +11,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_checkpoints as tc  # noqa: E402
 
-
 HOME_DIRS = (Path.home() / ".cache", Path.home() / ".local" / "share")
 SANDBOX_ENV = "MLX_GLIMMER_TEST_SANDBOX"  # the run's private cache/data root, kept across the BLAS re-exec
 

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 import tiny_checkpoints as tc
 
 REFERENCES = {"dflash": ("dflash", "0.1.0"), "dspark_mlx": ("dspark-mlx", "0.1.0")}

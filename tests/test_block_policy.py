@@ -5,11 +5,11 @@ import json
 
 import numpy as np
 import pytest
+from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
 from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy, band_of, measure_verify_cost
 from mlx_glimmer.cli import main
-from oracle_drafter import OracleDrafter
 
 PROMPT = [256] + list(b"Once upon a time, in a land far away")
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
 
 import pytest
+from test_tui import SIZE, gate_after, idle, look, pair, say, settings_kwargs  # noqa: F401  (pair: a fixture)
 
-import mlx_glimmer
 from mlx_glimmer.cli import main
 from mlx_glimmer.tui.app import ChatApp
 from mlx_glimmer.tui.chats import ConversationList
 from mlx_glimmer.tui.session import Settings
 from mlx_glimmer.tui.store import Store, open_store
 from mlx_glimmer.tui.widgets import AssistantMessage
-from test_tui import SIZE, gate_after, idle, look, pair, say, settings_kwargs  # noqa: F401  (pair: a fixture)
 
 
 @pytest.fixture
@@ -276,10 +276,40 @@ def test_a_corrupt_database_is_one_warning_and_the_chat_runs_without_history(pai
     assert "No history" in view.errors[1]
 
 
-def test_a_database_locked_by_another_program_turns_history_off_and_the_chat_goes_on(pair, tmp_path):
+def test_a_database_locked_for_the_whole_chat_delays_saving_and_the_turns_are_written_on_exit(pair, tmp_path, capsys):
     path = tmp_path / "chats.db"
     store = Store(path, timeout=0.1)
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN EXCLUSIVE")
+
+    async def scenario(app, pilot):
+        await say(app, pilot, "Hello")
+        await say(app, pilot, "Again")
+        for _ in range(100):  # the first locked attempt ends within the save thread's busy timeout
+            if "saving delayed" in look(app).status:
+                break
+            await pilot.pause(0.05)
+
+    try:
+        view = chat(pair, scenario, store=store)
+        assert not view.errors  # not "history off": the lock passes
+        (delayed,) = [i for i in view.info if i.startswith("saving delayed: ")]
+        assert "locked" in delayed and "\n" not in delayed and "saving delayed (database busy)" in view.status
+        assert len(view.app.conversation.turns) == 2 and view.app.store is not None
+        assert store.list() == []  # nothing written yet
+    finally:
+        threading.Timer(0.5, lambda: other.execute("ROLLBACK")).start()  # free soon after the app exits
+    assert view.app.shut_down(30)  # and the queue is flushed on exit
+    assert capsys.readouterr().err == ""
+    reopened = Store(path)
+    assert [t.user for t in reopened.load(reopened.last_id()).turns] == ["Hello", "Again"]
+    reopened.close()
+
+
+def test_turns_still_unsaved_after_the_exit_wait_are_one_line(pair, tmp_path, capsys):
+    path = tmp_path / "chats.db"
     other = sqlite3.connect(path, isolation_level=None)
+    Store(path).close()
     other.execute("BEGIN EXCLUSIVE")
 
     async def scenario(app, pilot):
@@ -287,12 +317,13 @@ def test_a_database_locked_by_another_program_turns_history_off_and_the_chat_goe
         await say(app, pilot, "Again")
 
     try:
-        view = chat(pair, scenario, store=store)
+        view = chat(pair, scenario, store=Store(path))
+        assert view.app.shut_down(30, flush_s=0.5)
     finally:
         other.execute("ROLLBACK")
-    (error,) = view.errors
-    assert error.startswith("history off: ") and "locked" in error and "\n" not in error
-    assert len(view.app.conversation.turns) == 2 and view.app.store is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("history: 2 turns of this chat could not be saved after waiting 0.5 s: ")
+    assert str(path) in line and "locked" in line
 
 
 # --- command line ----------------------------------------------------------------------------------

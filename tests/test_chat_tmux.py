@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import tiny_checkpoints as tc
 from test_tui import readable_target
 

@@ -1,15 +1,13 @@
 """Classic drafting on the same loop: an autoregressive draft model, and prompt lookup. Both lossless."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import load_model
+import tiny_checkpoints as tc
 
-from mlx_glimmer.draft_model import DraftModelDrafter
-from mlx_glimmer.prompt_lookup import PromptLookupDrafter
+from mlx_glimmer.drafters.draft_model import DraftModelDrafter
+from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
 from mlx_glimmer.sampling import SamplingParams
 from mlx_glimmer.speculative import generate_steps
-import tiny_checkpoints as tc
 
 PROMPT = [256] + list(b"Once upon a time")
 N = 210
@@ -64,7 +62,9 @@ def test_prompt_lookup_is_lossless_and_proposes_copies(muse_pair, plain):
 
 def test_draft_model_sampling_follows_the_target_distribution(tmp_path):
     from scipy.stats import chisquare  # noqa: F401  (the helper below uses it)
-    from test_sampling import PROMPT as SP, V, chi_square_p, exact_marginals
+    from test_sampling import PROMPT as SP
+    from test_sampling import V, chi_square_p, exact_marginals
+
     from mlx_glimmer.loading import load_target
 
     t = load_target(tc.build_muse_target(tmp_path / "t", vocab_size=V, layers=4, weight_std=0.12, seed=5))[0]

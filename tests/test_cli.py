@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_checkpoints as tc
 
 import mlx_glimmer
 from mlx_glimmer.cli import JSON_FIELDS, main
-import tiny_checkpoints as tc
 
 DOCUMENTED = {"text", "token_ids", *JSON_FIELDS}
 
@@ -73,8 +73,8 @@ def test_chat_flag_applies_the_chat_template(bundle, capsys, muse_pair):
     [
         (["generate", "/nonexistent/bundle", "--prompt", "x"], ["/nonexistent/bundle"]),
         (["generate", "BUNDLE", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens"]),
-        (["generate", "BUNDLE", "--prompt", "x", "--top-p", "1.5"], ["top_p"]),
-        (["generate", "BUNDLE", "--prompt", "x", "--temp", "-1"], ["temperature"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--top-p", "1.5"], ["generate: --top-p must be in (0, 1], got 1.5"]),
+        (["generate", "BUNDLE", "--prompt", "x", "--temp", "-1"], ["generate: --temp must be a number >= 0"]),
         (["generate", "BUNDLE", "--prompt", "x", "--bogus"], ["--bogus"]),
         (["generate", "BUNDLE"], ["--prompt"]),
         (["generate", "BUNDLE", "--prompt", "x", "--system", "be brief"], ["--system"]),
@@ -145,3 +145,35 @@ def test_cli_runs_as_installed_entry_point_and_reports_errors_without_traceback(
     assert proc.returncode != 0
     assert_one_error_line(proc.stderr, "/does/not/exist")
     assert "Traceback" not in proc.stderr
+
+
+def test_every_command_takes_block_size_auto_and_defaults_to_it():
+    from mlx_glimmer.cli import build_parser
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["serve"], ["chat"]):
+        assert parser.parse_args([*command, "--block-size", "auto"]).block_size == "auto"
+        assert parser.parse_args([*command, "--block-size", "6"]).block_size == 6
+    assert parser.parse_args(["generate", "--prompt", "x"]).block_size == "auto"
+    assert parser.parse_args(["serve"]).block_size == "auto"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--temp", "-1"], "serve: --temp must be a number >= 0, got -1.0"),
+    (["serve", "--top-k", "-2"], "serve: --top-k must be a whole number >= 0, got -2"),
+    (["serve", "--block-size", "0"], "--block-size"),
+    (["serve", "--port", "70000"], "serve: --port must be in [0, 65535]"),
+])
+def test_serve_flag_errors_are_one_line_before_anything_loads(capsys, argv, needle):
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, needle)
+
+
+def test_distill_steps_help_names_the_recipe_default():
+    from mlx_glimmer.cli import build_parser
+    from mlx_glimmer.distill.step import TrainConfig
+
+    distill = build_parser()._subparsers._group_actions[0].choices["distill"]
+    steps = next(a for a in distill._actions if a.dest == "steps")
+    assert steps.default == TrainConfig.steps and f"(default {TrainConfig.steps})" in steps.help
+    assert "one answer each" not in steps.help

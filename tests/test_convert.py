@@ -16,10 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import tiny_checkpoints as tc
 import torch
 
 import mlx_glimmer
-import tiny_checkpoints as tc
 from mlx_glimmer.cli import main
 from mlx_glimmer.convert import convert
 from mlx_glimmer.convert.gguf import SMOLLM2_GGUF, find_or_fetch_smollm2_gguf, unpack_blocks
@@ -550,6 +550,22 @@ def test_widths_the_group_size_does_not_divide_take_the_largest_group_that_does(
         assert group == max(g for g in (128, 64, 32) if width % g == 0 and g <= 64), (name, width, group)
     applied = json.loads((out / "glimmer.json").read_text())["applied"]["target"]["quantized"]
     assert applied["4-bit/g32"] > 0 and applied["4-bit/g64"] > 0
+
+
+def test_a_drafter_quantized_with_per_module_group_sizes_loads_and_stays_lossless(tmp_path, sources):
+    """--group-size 128 on the tiny assistant: widths 64 and 192 take group 64 (per-module entries), width 128 the
+    default; the drafter loader must honour each entry as mlx-lm does for the target."""
+    out = tmp_path / "b"
+    assert main(["convert", "--target", str(sources["muse"]), "--drafter", str(sources["assistant"]), "--out", str(out),
+                 "--bits", "16", "--dtype", "float32", "--drafter-bits", "4", "--group-size", "128", "--quiet"]) == 0
+    q = json.loads((out / "drafter" / "config.json").read_text())["quantization"]
+    assert q["group_size"] == 128 and q["layers.0.self_attn.q_proj"]["group_size"] == 64
+    pair = mlx_glimmer.load(out)
+    attn, mlp = pair.drafter.model.layers[0].self_attn, pair.drafter.model.layers[0].mlp
+    assert (attn.q_proj.group_size, mlp.down_proj.group_size, pair.drafter.model.encoder.fc.group_size) == (64, 128, 64)
+    prompt = [tc.BOS_ID] + list(b"Once upon a time")
+    plain = mlx_glimmer.generate(pair, prompt, max_tokens=30, speculative=False).token_ids
+    assert mlx_glimmer.generate(pair, prompt, max_tokens=30, block_size=4).token_ids == plain
 
 
 def test_a_width_no_group_size_divides_is_one_error_line(tmp_path, capsys):

@@ -12,9 +12,9 @@ import pytest
 
 import mlx_glimmer
 from mlx_glimmer.demo import SHIPPED_DRAFTER, build_demo
+from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
 from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.speculative import generate_steps
-from mlx_glimmer.prompt_lookup import PromptLookupDrafter
 
 pytestmark = pytest.mark.network
 REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache"

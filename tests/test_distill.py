@@ -8,10 +8,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_glimmer
-from mlx_glimmer.errors import GlimmerError
-from mlx_glimmer.drafter import DFlashDrafter, dflash_target_layer_ids, load_dflash_model
 from mlx_glimmer.distill.evaluate import heldout_acceptance
-from mlx_glimmer.distill.train import Trainer, TrainConfig, block_forward, target_features
+from mlx_glimmer.distill.train import TrainConfig, Trainer, block_forward, target_features
+from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
+from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.speculative import generate_steps
 
 

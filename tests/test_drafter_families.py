@@ -7,15 +7,15 @@ without dependencies into .cache/refpkgs on first use).
 
 import json
 
+import family_checkpoints as fc
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_checkpoints as tc
 import torch
 
-import family_checkpoints as fc
-import tiny_checkpoints as tc
-from mlx_glimmer.dflash2 import compute_logits, load_dflash2_model
-from mlx_glimmer.dspark import DSparkDrafter, load_dspark_model
+from mlx_glimmer.drafters.dflash2 import compute_logits, load_dflash2_model
+from mlx_glimmer.drafters.dspark import DSparkDrafter, load_dspark_model
 from mlx_glimmer.sampling import SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
@@ -63,7 +63,7 @@ def replay_dflash2(path, window_shift=0):
     ours = load_dflash2_model(path)
     cfg = ours.config
     assert cfg.sliding_window == 8 and cfg.block_size == 10 > cfg.sliding_window
-    assert [layer.self_attn.causal for layer in ours.layers] == [l.self_attn.is_causal for l in ref.layers] == [True, False]
+    assert [layer.self_attn.causal for layer in ours.layers] == [layer.self_attn.is_causal for layer in ref.layers] == [True, False]
     for layer in ours.layers:
         if layer.self_attn.window is not None:
             layer.self_attn.window += window_shift
@@ -216,8 +216,9 @@ def test_dspark_confidence_cut_is_the_reference_prefix_rule(pairs):
 @pytest.fixture(scope="module")
 def small_vocab_pairs(tmp_path_factory):
     """A 32-token target (test_sampling's) with a DFlash2 and a gated DSpark head, so marginals can be enumerated."""
-    import mlx_glimmer
     from test_sampling import V
+
+    import mlx_glimmer
 
     root = tmp_path_factory.mktemp("families_v32")
     tc.build_muse_target(root / "t", vocab_size=V, layers=4, weight_std=0.12, seed=5)
@@ -322,6 +323,10 @@ def test_convert_then_generate_equals_no_spec_and_json_names_the_family(kind, bi
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["drafter_kind"] == kind and plain["drafter_kind"] == "none"
     assert spec["target_forwards"] <= plain["target_forwards"]
+    # The torch backend drafts with DFlash only, and says which family the bundle's drafter is.
+    assert main(["generate", str(bundle), "--backend", "torch", "--prompt", "hi", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"(this is a {kind} block drafter); use --backend mlx" in err[0], err
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "dspark"])

@@ -5,11 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
-from mlx_glimmer.sampling import SamplingParams
 from mlx_glimmer.speculative import generate_steps
-from oracle_drafter import OracleDrafter
 
 PROMPT = [256] + list(b"Once upon a time")  # BOS + 16 bytes: already twice the window of 8
 N_TOKENS = 220  # > 20x the sliding window

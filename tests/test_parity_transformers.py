@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mlx_glimmer.cache import make_rollback_cache
-from mlx_glimmer.drafter import load_dflash_model
+from mlx_glimmer.drafters.dflash import load_dflash_model
 
 RNG = np.random.default_rng(0)
 
@@ -17,7 +16,7 @@ def rel_err(a, b):
 
 
 def torch_target(path):
-    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -168,10 +167,9 @@ def test_zlab_dflash_checkpoint_loads_with_the_same_math(tmp_path):
     """z-lab's DFlashDraftModel layout (fc / hidden_norm, dflash_config) is the same drafter."""
     import json
 
+    import tiny_checkpoints as tc
     from safetensors.numpy import load_file, save_file
     from transformers import MuseGlimmerAssistantModel
-
-    import tiny_checkpoints as tc
 
     hf = tc.build_assistant(tmp_path / "hf", layer_types=["full_attention", "full_attention"], block_size=8)
     ref = MuseGlimmerAssistantModel.from_pretrained(hf, dtype=torch.float32).eval()

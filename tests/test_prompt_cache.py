@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 
 import mlx_glimmer
-from mlx_glimmer import DecodeState, SamplingParams
-from mlx_glimmer.prompt_cache import Conversation, PromptCache, common_prefix
-from mlx_glimmer.server_worker import (
+from mlx_glimmer import DecodeState, GenerationSettings, SamplingParams
+from mlx_glimmer.server.prompt_cache import Conversation, PromptCache, common_prefix
+from mlx_glimmer.server.worker import (
     Delta,
     Failed,
     Finished,
@@ -37,9 +37,14 @@ def worker(muse_pair):
     w.close(timeout=10)
 
 
+def request(prompt_tokens, stop=(), **settings) -> GenerationRequest:
+    """A queued request: its prompt, `GenerationSettings.of(**settings)` and stop strings."""
+    return GenerationRequest(prompt_tokens, GenerationSettings.of(**settings), list(stop))
+
+
 def run(worker, **fields):
     events: queue.Queue = queue.Queue()
-    worker.submit(Job(GenerationRequest(**fields), events.put))
+    worker.submit(Job(request(**fields), events.put))
     text = []
     while True:
         e = events.get(timeout=120)
@@ -59,7 +64,7 @@ def cold(pair, prompt, **kwargs):
 def answer_here(pair, cache, **fields):
     """One job on this thread (the worker's code, without its thread)."""
     text = []
-    done = answer(pair, cache, Job(GenerationRequest(**fields), lambda e: text.append(e.text)))
+    done = answer(pair, cache, Job(request(**fields), lambda e: text.append(e.text)))
     assert isinstance(done, Finished)
     return "".join(text), done
 
@@ -129,7 +134,7 @@ def test_stop_strings_end_generation_and_are_not_returned(worker, muse_pair):
 
 def test_a_cancelled_job_stops_after_one_round_and_its_conversation_stays_usable(worker, muse_pair):
     events: queue.Queue = queue.Queue()
-    job = Job(GenerationRequest(prompt_tokens=B, max_tokens=200, block_size=4), events.put)
+    job = Job(request(prompt_tokens=B, max_tokens=200, block_size=4), events.put)
     worker.submit(job)
     while not isinstance(events.get(timeout=120), Delta):
         pass
@@ -198,7 +203,7 @@ def test_a_fork_copies_caches_and_drafter_context_but_shares_models(muse_pair):
 
 def test_a_failing_job_reports_failed_and_the_worker_serves_the_next(worker, muse_pair):
     events: queue.Queue = queue.Queue()
-    worker.submit(Job(GenerationRequest(prompt_tokens=[10**9], max_tokens=4), events.put))  # not a token id
+    worker.submit(Job(request(prompt_tokens=[10**9], max_tokens=4), events.put))  # not a token id
     assert isinstance(events.get(timeout=120), Failed)
     text, done = run(worker, prompt_tokens=A, max_tokens=6)
     assert done.finish_reason == "length" and text == cold(muse_pair, A, max_tokens=6).text

@@ -5,13 +5,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_checkpoints as tc
 import torch
 from scipy.stats import chisquare
 
 import mlx_glimmer
 from mlx_glimmer.sampling import SamplingParams, accept_sampled, probabilities
 from mlx_glimmer.speculative import generate_steps
-import tiny_checkpoints as tc
 
 SETTINGS = [
     SamplingParams(temperature=0.7),

@@ -27,6 +27,7 @@ from mlx_glimmer.tui.store import (
     format_list,
     open_store,
     resolve,
+    settings_from_json,
     title_for,
 )
 
@@ -35,6 +36,12 @@ def a_turn(i: int = 0, cancelled: bool = False) -> Turn:
     stats = GenerationStats(prompt_tokens=10 + i, prefill_tokens=10, generated_tokens=3, acceptance_lengths=[2, 1],
                             finish_reason="cancelled" if cancelled else "stop", drafter_kind="dflash", block_size=4)
     return Turn(f"question {i}", f"answer {i}", [i, i + 1, 70000 + i], stats, cancelled)
+
+
+def test_stored_settings_keep_what_is_valid_and_fall_back_on_what_is_not():
+    assert settings_from_json('{"temperature": 0.5, "from_a_newer_version": 1}') == Settings(temperature=0.5)
+    assert settings_from_json('{"temperature": -1, "system": "x"}') == Settings()  # a value no Settings takes
+    assert settings_from_json("[1, 2]") == settings_from_json("not json") == Settings()
 
 
 @pytest.fixture
@@ -124,8 +131,9 @@ def test_a_database_from_a_newer_version_is_refused(tmp_path):
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     db.commit()
     db.close()
-    with pytest.raises(StoreError, match="newer mlx-glimmer"):
+    with pytest.raises(StoreError, match="newer mlx-glimmer") as e:
         Store(path)
+    assert not e.value.busy  # it does not pass: history off
 
 
 def test_a_locked_database_fails_in_one_line_after_the_busy_timeout(tmp_path):
@@ -139,6 +147,7 @@ def test_a_locked_database_fails_in_one_line_after_the_busy_timeout(tmp_path):
         with pytest.raises(StoreError, match="locked") as e:
             store.add_turn(cid, a_turn(), processed=[1], settings=Settings())
         assert time.monotonic() - tic < 5 and "\n" not in str(e.value)
+        assert e.value.busy  # a lock passes: the app keeps the turn queued (tests/test_history_lock.py)
         assert store.list()[0].turns == 0  # readers still read under WAL
     finally:
         other.execute("ROLLBACK")

@@ -8,18 +8,19 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
+from oracle_drafter import OracleDrafter
 from scipy.stats import chisquare
 
 import mlx_glimmer
 from mlx_glimmer.cli import JSON_FIELDS, main
-from mlx_glimmer.sampling import SamplingParams, probabilities as mlx_probabilities
+from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.sampling import probabilities as mlx_probabilities
+from mlx_glimmer.speculative import generate_steps  # the one loop, on either backend
 from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
 from mlx_glimmer.torch_backend.parity import ParityReport, PromptResult, explain
 from mlx_glimmer.torch_backend.sampling import accept_sampled, probabilities
-from mlx_glimmer.speculative import generate_steps  # the one loop, on either backend
 from mlx_glimmer.torch_backend.weights import transformers_name
-from oracle_drafter import OracleDrafter
 
 PROMPT = [256] + list(b"Once upon a time")  # BOS + 16 bytes: twice the Muse window of 8
 N_TOKENS = 220  # > 25 windows
@@ -94,8 +95,8 @@ def test_torch_speculative_is_lossless_far_past_the_sliding_window(muse_pair, to
 
 
 def test_every_drafter_satisfies_the_drafter_protocol(muse_pair, torch_pairs):
-    from mlx_glimmer.draft_model import DraftModelDrafter
-    from mlx_glimmer.prompt_lookup import PromptLookupDrafter
+    from mlx_glimmer.drafters.draft_model import DraftModelDrafter
+    from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
     from mlx_glimmer.speculative import Drafter
 
     drafters = [muse_pair.drafter, torch_pairs["muse"].drafter, PromptLookupDrafter(),

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tiny_checkpoints as tc
 
 import mlx_glimmer
-import tiny_checkpoints as tc
 from mlx_glimmer import GenerationChunk, GenerationStats, GlimmerError
 from mlx_glimmer.cli import main
 from mlx_glimmer.tui import session as session_module
@@ -105,7 +105,9 @@ class View:
 
 
 def look(app) -> View:
-    text = lambda w: str(w.content)
+    def text(widget) -> str:
+        return str(widget.content)
+
     return View(
         app=app,
         info=[text(n) for n in app.query("Note.info")],
@@ -563,8 +565,8 @@ def test_main_screen_snapshot(pair, monkeypatch):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--temp", "-1"], "--temp must be >= 0"),
-        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--temp", "-1"], "chat: --temp must be a number >= 0, got -1.0"),
+        (["--top-p", "0"], "chat: --top-p must be in (0, 1], got 0.0"),
         (["--reasoning", "extreme"], "invalid choice: 'extreme'"),
         (["--block-size", "0"], "--block-size"),
         (["--frob"], "unrecognized arguments: --frob"),

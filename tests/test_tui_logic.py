@@ -1,14 +1,16 @@
 """The chat app's plain parts: channel splitting, slash commands, history, transcript, stats text."""
 
+import dataclasses
 import json
 
 import pytest
 
-from mlx_glimmer import GenerationStats
+from mlx_glimmer import GenerationStats, GlimmerError
+from mlx_glimmer.chat_template import supports_reasoning
 from mlx_glimmer.tui.channels import split_channels
-from mlx_glimmer.tui.commands import Command, CommandError, help_text, is_command, parse_command, prompt_text
+from mlx_glimmer.tui.commands import COMMANDS, Command, CommandError, help_text, is_command, parse_command, prompt_text
 from mlx_glimmer.tui.history import InputHistory
-from mlx_glimmer.tui.session import Conversation, Settings, Turn, supports_reasoning
+from mlx_glimmer.tui.session import Conversation, Settings, Turn
 from mlx_glimmer.tui.stats import histogram, sparkline, stats_rows, turn_summary
 from mlx_glimmer.tui.transcript import save_transcript, transcript_markdown
 
@@ -90,6 +92,7 @@ def test_commands_parse_to_typed_values(line, command):
         ("/temp", "usage: /temp X"),
         ("/temp nan", "/temp must be a number >= 0, got nan"),
         ("/temp -0.1", "/temp must be a number >= 0, got -0.1"),
+        ("/temp hot", "/temp needs a number, got 'hot'"),
         ("/block 1.5", "/block needs 'auto' or a whole number, got '1.5'"),
         ("/block -2", "/block must be >= 1, got -2"),
         ("/spec yes", "usage: /spec on|off, got 'yes'"),
@@ -143,17 +146,38 @@ def test_reasoning_strength_is_passed_only_when_the_template_has_it():
     conv = Conversation(Settings(reasoning="low", temperature=0.5, block_size=4, speculative=False))
     kwargs = conv.generation_kwargs()
     assert "chat_template_kwargs" not in kwargs
-    assert (kwargs["temperature"], kwargs["block_size"], kwargs["speculative"]) == (0.5, 4, False)
+    settings = kwargs["settings"]
+    assert (settings.sampling.temperature, settings.block_size, settings.speculative) == (0.5, 4, False)
     conv.reasoning_supported = True
     assert conv.generation_kwargs()["chat_template_kwargs"] == {"reasoning_strength": "low"}
 
 
 def test_each_turn_draws_a_fresh_seed_unless_one_is_set():
     fresh = Conversation(Settings(temperature=0.8))
-    seeds = {fresh.generation_kwargs()["seed"] for _ in range(5)}
+    seeds = {fresh.generation_kwargs()["settings"].seed for _ in range(5)}
     assert len(seeds) > 1
     fixed = Conversation(Settings(temperature=0.8, seed=3))
-    assert {fixed.generation_kwargs()["seed"] for _ in range(5)} == {3}
+    assert {fixed.generation_kwargs()["settings"].seed for _ in range(5)} == {3}
+
+
+def test_chat_settings_are_checked_when_made_and_never_changed_in_place():
+    with pytest.raises(GlimmerError, match="top_p must be in"):
+        Settings(top_p=0)
+    with pytest.raises(GlimmerError, match="reasoning must be one of"):
+        Settings(reasoning="max")
+    s = Settings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.temperature = 1.0
+    assert s.with_changes(temperature=1.0).generation().sampling.temperature == 1.0
+
+
+def test_every_command_has_one_table_entry_with_usage_help_and_apply():
+    assert set(COMMANDS) == {"clear", "chats", "rename", "export", "system", "temp", "block", "spec", "reasoning",
+                             "save", "stats", "help"}
+    assert {n for n, s in COMMANDS.items() if s.persists} == {"system", "temp", "block", "spec", "reasoning"}
+    assert {n for n, s in COMMANDS.items() if s.while_busy} == {"help", "stats"}
+    for name, spec in COMMANDS.items():
+        assert spec.usage.startswith(f"/{name}") and spec.help and callable(spec.apply)
 
 
 class FakeTokenizer:

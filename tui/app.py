@@ -2,8 +2,9 @@
 
 All MLX work (loading, every turn, rebuilding a resumed chat's cache) runs on
 one `MLXThread`; it reports back with messages, so the UI thread only ever
-reads snapshots. The conversation store (`store.Store`) is written from the UI
-thread, one transaction per finished turn.
+reads snapshots. The conversation store is written through a `store.SaveQueue`
+(its own thread, one transaction per finished turn, retried while another
+program holds the database locked); the UI thread reads it.
 """
 
 from __future__ import annotations
@@ -23,26 +24,22 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Header, Select, Static
 
-from mlx_glimmer import DecodeState, GenerationStats, GlimmerError
-
+from ..chat_template import supports_reasoning
+from ..errors import GlimmerError
+from ..generate import GenerationStats
+from ..speculative import DecodeState
 from .chats import Choice, ConversationList
+from .commands import CommandError, is_command, prompt_text, run_command
 from .pacing import Pacer, leave_a_core_for_the_ui
-from .commands import CommandError, help_text, is_command, parse_command, prompt_text
-from .session import Conversation, Settings, Turn, rebuild_state, run_turn, supports_reasoning
+from .session import Conversation, Settings, Turn, rebuild_state, run_turn
 from .stats import prefill_line, stats_rows
-from .store import Store, StoreError, title_for
-from .transcript import export_conversation, save_transcript
+from .store import FLUSH_S, ChatRef, SaveQueue, Store, StoreError, title_for
 from .widgets import AssistantMessage, Note, PromptInput, StatsPanel
 from .worker import MLXThread
 
 SWITCH_INTERVAL_S = 0.001
 
 LOAD_HINT = "Quit (ctrl+q) and start with a bundle: `mlx-glimmer chat BUNDLE`. /help still works."
-
-KEYS_HELP = (
-    "keys: enter send · ctrl+j new line · ↑/↓ history · esc or ctrl+c cancel · ctrl+l clear · "
-    "ctrl+o conversations · f2 stats panel · ctrl+q quit\n//text sends a message that starts with /"
-)
 
 
 class Loaded(Message):
@@ -83,6 +80,10 @@ class Finished(Message):
         self.turn = done.turn
 
 
+class SavesChanged(Message):
+    """The save queue's state changed (posted from its thread): saving delayed, caught up, or failed."""
+
+
 class Rebuilt(Message):
     """A resumed conversation's cache is back: `tokens` ids prefilled in `seconds` (or `error`)."""
 
@@ -107,27 +108,7 @@ def model_names(pair) -> str:
 
 class ChatApp(App):
     TITLE = "mlx-glimmer chat"
-    CSS = """
-    #body { height: 1fr; }
-    #log { width: 1fr; padding: 0 1; }
-    #side { width: 42; border: round $primary-darken-1; padding: 0 1; }
-    #side Label { margin-top: 1; color: $text-muted; }
-    #rounds { height: 3; color: $success; }
-    #histogram { margin-top: 1; }
-    #reasoning { width: 100%; }
-    .note { margin: 1 0 0 0; padding: 0 1; }
-    .user { border: round $accent; }
-    .info { color: $text-muted; }
-    .error { color: $error; border: round $error; }
-    .assistant { height: auto; margin: 1 0 0 0; border: round $success; padding: 0 1; }
-    .assistant Collapsible { display: none; margin: 0; padding: 0; border: none; }
-    .assistant.-reasoning Collapsible { display: block; }
-    .assistant .reasoning-text { color: $text-muted; }
-    .assistant Markdown { margin: 0; padding: 0; }
-    .summary { color: $text-muted; }
-    #prompt { height: auto; min-height: 3; max-height: 10; border: round $primary; }
-    #status { height: 1; background: $panel; color: $text; padding: 0 1; }
-    """
+    CSS_PATH = "chat.tcss"
     # The UI thread and the MLX thread share the GIL: every update drawn is time the
     # decoder waits. The pacer keeps the UI's share small (benchmarks/chat_stream_speed.py
     # measures the app against `generate`); the stats panel updates once a second and
@@ -161,7 +142,9 @@ class ChatApp(App):
         self.conversation = Conversation(settings or Settings())
         self.store = store  # None: no history (--no-history, or the database failed)
         self.store_warning = store_warning
-        self.conversation_id: int | None = None  # the stored conversation; None until its first turn is saved
+        self.saves = SaveQueue(store.path, self._saves_changed) if store is not None else None
+        self._saving_delayed = False  # a "saving delayed" note is showing and no "caught up" one yet
+        self.chat = ChatRef()  # the stored conversation; `conversation_id` is its id, None until its first turn is saved
         self.conversation_title: str | None = None
         self.resume = resume
         self.first_message = first_message
@@ -246,11 +229,11 @@ class ChatApp(App):
         self._progress_posted = self.pacer.clock()
         self.post_message(Progress(text, stats))
 
-    def _rebuild_job(self, processed: list[int], speculative: bool, block_size: int | None) -> None:
+    def _rebuild_job(self, processed: list[int], settings: Settings) -> None:
         tic = time.perf_counter()
         try:
             self.state = DecodeState()
-            n = rebuild_state(self.pair, processed, self.state, speculative=speculative, block_size=block_size)
+            n = rebuild_state(self.pair, processed, self.state, settings)
         except Exception as e:
             self.state = DecodeState()
             self.post_message(Rebuilt(0, 0.0, describe_error(e)))
@@ -268,9 +251,9 @@ class ChatApp(App):
         panel = self.query_one(StatsPanel)
         panel.show_reasoning(supported)
         if supported:
-            self.query_one("#reasoning", Select).value = self.settings.reasoning
+            self.show_reasoning_level()
         if self.settings.speculative and self.pair.drafter is None:
-            self.settings.speculative = False
+            self.update_settings(speculative=False)
         self.note(f"Loaded {model_names(self.pair)}. Type a message; /help lists the commands.", "info")
         self.set_status()
         if self._processed and self._stored_bundle not in (None, self.bundle_name()):
@@ -355,73 +338,24 @@ class ChatApp(App):
         self.busy = True
         self.cancel_event = cancel = threading.Event()
         self.set_status("generating… (esc cancels)")
-        settings = dataclasses.replace(self.settings)
+        settings = self.settings  # frozen: the turn keeps what it ran with
         self.pacer.start()
         self.query_one(PromptInput).cursor_blink = False
         self._progress_pending, self._progress_posted = False, 0.0
         self.mlx.submit(lambda: self._turn_job(messages, kwargs, settings, cancel))
 
     async def run_command(self, line: str) -> None:
-        cmd = parse_command(line)
-        if self.busy and cmd.name not in ("help", "stats"):
-            raise CommandError(f"/{cmd.name} has to wait until the answer is done (esc cancels it)")
-        s = self.settings
-        if cmd.name == "help":
-            self.note(f"{help_text()}\n\n{KEYS_HELP}", "info")
-        elif cmd.name == "clear":
-            await self.action_clear()
-        elif cmd.name == "system":
-            s.system = cmd.value
-            self.note(f"System prompt set: {cmd.value}" if cmd.value else "System prompt removed.", "info")
-        elif cmd.name == "temp":
-            s.temperature = cmd.value
-            self.note(f"Temperature {cmd.value:g}" + (" (greedy)." if cmd.value == 0 else "."), "info")
-        elif cmd.name == "block":
-            if self.pair is not None and self.pair.drafter is None:
-                raise CommandError("this model has no drafter; the block size does not apply")
-            s.block_size = cmd.value
-            self.note(f"Block size {cmd.value}.", "info")
-        elif cmd.name == "spec":
-            if cmd.value and self.pair is not None and self.pair.drafter is None:
-                raise CommandError("this model has no drafter; speculative decoding needs one")
-            s.speculative = cmd.value
-            self.note(f"Speculative decoding {'on' if cmd.value else 'off'}.", "info")
-        elif cmd.name == "reasoning":
-            if not self.conversation.reasoning_supported:
-                raise CommandError("this model's chat template has no reasoning strength")
-            s.reasoning = cmd.value
-            self.query_one("#reasoning", Select).value = cmd.value
-            self.note(f"Reasoning strength {cmd.value}.", "info")
-        elif cmd.name == "save":
-            model = model_names(self.pair) if self.pair is not None else self.source
-            try:
-                md, js = save_transcript(cmd.value, self.conversation.turns, model=model, settings=s)
-            except (OSError, ValueError) as e:
-                raise CommandError(f"/save failed: {e}") from None
-            self.note(f"Saved {md} and {js}.", "info")
-        elif cmd.name == "stats":
-            self.note(self.stats_text(), "info")
-        elif cmd.name == "export":
-            try:
-                out = export_conversation(cmd.value, self.conversation.turns, model=self.model_name(), settings=s,
-                                          title=self.conversation_title)
-            except (OSError, ValueError) as e:
-                raise CommandError(f"/export failed: {e}") from None
-            self.note(f"Exported {len(self.conversation.turns)} turns to {out}.", "info")
-        elif cmd.name == "chats":
-            self.action_conversations()
-        elif cmd.name == "rename":
-            if self.store is None:
-                raise CommandError("no history (started with --no-history, or the database failed)")
-            if self.conversation_id is None:
-                raise CommandError("this conversation is not saved yet; send a message first")
-            title = cmd.value.strip()
-            if self.history(lambda st: st.rename(self.conversation_id, title)):
-                self.conversation_title = title
-                self.note(f"Renamed to “{title}”.", "info")
-        if cmd.name in ("system", "temp", "block", "spec", "reasoning"):
+        spec = await run_command(self, line)
+        if spec.persists:
             self.save_settings()
         self.set_status()
+
+    def update_settings(self, **changes) -> None:
+        """Change the open conversation's settings (a new frozen `Settings`; the next turn uses it)."""
+        self.conversation.settings = self.settings.with_changes(**changes)
+
+    def show_reasoning_level(self) -> None:
+        self.query_one("#reasoning", Select).value = self.settings.reasoning
 
     def stats_text(self) -> str:
         rows = stats_rows(self.last_stats)
@@ -445,7 +379,7 @@ class ChatApp(App):
     def reasoning_changed(self, event: Select.Changed) -> None:
         if event.value in (None, Select.BLANK) or event.value == self.settings.reasoning:
             return
-        self.settings.reasoning = str(event.value)
+        self.update_settings(reasoning=str(event.value))
         self.save_settings()
         self.set_status()
 
@@ -483,15 +417,18 @@ class ChatApp(App):
         await self.query_one("#log").remove_children()
         self.query_one(StatsPanel).show(None)
 
-    def shut_down(self, wait_s: float) -> bool:
+    def shut_down(self, wait_s: float, flush_s: float = FLUSH_S) -> bool:
         """After the app has exited: let the MLX thread finish (a cancelled turn stops within one
-        round), save an answer cut short by quitting, close the store. False if the thread still runs."""
+        round), save an answer cut short by quitting, give queued turns up to `flush_s` to reach the
+        database (one line on stderr for those that did not), close the store. False if the thread still runs."""
         closed = self.mlx.close(timeout=wait_s)
         if self.unsaved is not None:  # quit during an answer: keep what was written, marked cancelled
             try:
                 self.save_turn(self.unsaved)
             except Exception:  # the app is gone: nowhere to show a failure
                 pass
+        if self.saves is not None:
+            self.flush_history(flush_s)
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -499,19 +436,61 @@ class ChatApp(App):
 
     # --- history ------------------------------------------------------------------------
 
+    @property
+    def conversation_id(self) -> int | None:
+        return self.chat.id
+
+    @conversation_id.setter
+    def conversation_id(self, value: int | None) -> None:
+        self.chat = ChatRef(value)  # another conversation: writes still queued for the old one keep its ref
+
     def history(self, fn) -> bool:
-        """Run `fn(store)`; on a database failure, say so in one line and go on without history."""
-        if self.store is None:
+        """Queue `fn(store)` behind the turns being saved (`store.SaveQueue`: done before this returns when
+        the database is free, retried while it is locked); False without history. A failure other than a
+        lock turns history off (`on_saves_changed`)."""
+        if self.saves is None:
             return False
+        return self.saves.submit(fn)
+
+    def _saves_changed(self) -> None:
+        """On the save thread: hand the news to the UI thread (nothing to do once the app is gone)."""
         try:
-            fn(self.store)
-        except StoreError as e:
-            self.history_off(str(e))
-            return False
-        return True
+            self.post_message(SavesChanged())
+        except RuntimeError:  # the event loop is closed
+            pass
+
+    def on_saves_changed(self, message: SavesChanged) -> None:
+        saves = self.saves
+        if saves is None:
+            return
+        if saves.failed is not None:
+            self.history_off(saves.failed)
+            return
+        if saves.delayed and not self._saving_delayed:
+            self._saving_delayed = True
+            n = saves.unsaved_turns
+            self.note(f"saving delayed: {saves.delayed}. The chat goes on; {n} turn{'s' * (n != 1)} queued, "
+                      "written once it is free.", "info")
+        elif not saves.delayed and self._saving_delayed:
+            self._saving_delayed = False
+            self.note("History caught up: every queued turn is saved.", "info")
+        if not self.busy:
+            self.set_status()
+
+    def flush_history(self, flush_s: float) -> None:
+        """On exit: wait up to `flush_s` for queued turns, then say in one line what could not be saved."""
+        saves, self.saves = self.saves, None
+        left = saves.close(flush_s)
+        if left:
+            why = saves.delayed or saves.failed or f"{saves.path}: still writing"
+            print(f"history: {left} turn{'s' * (left != 1)} of this chat could not be saved after waiting "
+                  f"{flush_s:g} s: {why}", file=sys.stderr)
 
     def history_off(self, why: str) -> None:
         self.note(f"history off: {why}", "error")
+        if self.saves is not None:
+            self.saves.stop()
+            self.saves = None
         if self.store is not None:
             self.store.close()
         self.store = None
@@ -524,24 +503,35 @@ class ChatApp(App):
         return str(self.pair.target_path) if self.pair is not None else None
 
     def save_turn(self, done: Done) -> None:
-        """Store a finished or cancelled turn now (the conversation row is made by its first turn)."""
+        """Queue a finished or cancelled turn (the conversation row is made by its first turn); with the
+        database free it is stored when this returns, with it locked it waits in the queue, in order."""
         if self.unsaved is done:
             self.unsaved = None
         self._processed = done.processed
+        if self.saves is None:
+            return
+        if self.conversation_id is None and self.conversation_title is None:
+            self.conversation_title = title_for(done.turn.user)
+        chat, title, bundle, model = self.chat, self.conversation_title, self.bundle_name(), self.model_name()
 
         def save(store: Store) -> None:
-            if self.conversation_id is None:
-                self.conversation_title = title_for(done.turn.user)
-                self.conversation_id = store.create(self.conversation_title, done.settings, bundle=self.bundle_name(),
-                                                    model=self.model_name())
-            store.add_turn(self.conversation_id, done.turn, processed=done.processed, settings=done.settings,
-                           bundle=self.bundle_name(), model=self.model_name())
+            if chat.id is None:
+                chat.id = store.create(title, done.settings, bundle=bundle, model=model)
+            store.add_turn(chat.id, done.turn, processed=done.processed, settings=done.settings,
+                           bundle=bundle, model=model)
 
-        self.history(save)
+        self.saves.submit(save, turn=True)
 
     def save_settings(self) -> None:
-        if self.conversation_id is not None:
-            self.history(lambda store: store.save_settings(self.conversation_id, self.settings))
+        chat, settings = self.chat, self.settings
+        if chat.id is None and not (self.saves is not None and self.saves.pending):
+            return  # not stored yet, and no turn of it queued
+
+        def save(store: Store) -> None:
+            if chat.id is not None:
+                store.save_settings(chat.id, settings)
+
+        self.history(save)
 
     async def open_conversation(self, conversation_id: int) -> bool:
         """Show a stored conversation, restore its settings, and (once a model is loaded) rebuild its cache."""
@@ -572,9 +562,9 @@ class ChatApp(App):
         self.note(f"Resumed “{stored.info.title}” (#{stored.info.id}, {len(stored.turns)} turns){where}.", "info")
         if self.pair is not None:
             if self.settings.speculative and self.pair.drafter is None:
-                self.settings.speculative = False
+                self.update_settings(speculative=False)
             if self.conversation.reasoning_supported:
-                self.query_one("#reasoning", Select).value = self.settings.reasoning
+                self.show_reasoning_level()
         self._stored_bundle = stored.info.bundle
         same_model = stored.info.bundle in (None, self.bundle_name()) or self.pair is None
         self._processed = stored.processed if same_model else []
@@ -587,11 +577,11 @@ class ChatApp(App):
     def start_rebuild(self) -> None:
         """Prefill the stored cache contents on the MLX thread, so the next turn reuses them."""
         if self.pair is not None and self.pair.drafter is None and self.settings.speculative:
-            self.settings.speculative = False
+            self.update_settings(speculative=False)
         self.busy = True
         self.set_status(f"rebuilding the cache ({len(self._processed)} tokens)…")
         processed, s = list(self._processed), self.settings
-        self.mlx.submit(lambda: self._rebuild_job(processed, s.speculative, s.block_size))
+        self.mlx.submit(lambda: self._rebuild_job(processed, s))
 
     def on_rebuilt(self, message: Rebuilt) -> None:
         self.busy = False
@@ -662,6 +652,8 @@ class ChatApp(App):
                 parts.append(f"reasoning {s.reasoning}")
             if s.system:
                 parts.append("system prompt set")
+        if self.saves is not None and self.saves.delayed:
+            parts.append("saving delayed (database busy)")
         if activity is None and self.busy:
             activity = "generating… (esc cancels)"
         elif activity is None and pair is None:

@@ -14,15 +14,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlx_glimmer import DecodeState, GenerationStats, stream_generate
-
+from ..chat_template import DEFAULT_REASONING, REASONING_LEVELS, REASONING_VARIABLE
+from ..errors import GlimmerError
+from ..generate import GenerationStats, stream_generate
+from ..settings import GenerationSettings
+from ..speculative import DecodeState
 from .channels import split_channels
 
-DEFAULT_REASONING = "high"
 
-
-@dataclass
+@dataclass(frozen=True)
 class Settings:
+    """A chat's settings as the user sets them (flags, slash commands) and its history stores them (flat JSON).
+
+    The generation part becomes one `GenerationSettings` per turn (`generation`), which checks it: a
+    `Settings` that could not generate is never made."""
+
     max_tokens: int = 1024
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,6 +38,25 @@ class Settings:
     speculative: bool = True
     system: str | None = None
     reasoning: str = DEFAULT_REASONING
+
+    def __post_init__(self):
+        self.generation(seed=0)
+        if self.reasoning not in REASONING_LEVELS:
+            raise GlimmerError(f"reasoning must be one of {', '.join(REASONING_LEVELS)}, got {self.reasoning!r}")
+
+    def generation(self, seed: int | None = None) -> GenerationSettings:
+        """This turn's `GenerationSettings`; `seed` is used when the chat has none of its own."""
+        return GenerationSettings.of(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+            block_size=self.block_size, speculative=self.speculative,
+            seed=self.seed if self.seed is not None else (seed if seed is not None else secrets.randbelow(2**31)),
+        )
+
+    def with_changes(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_CHAT = Settings()
 
 
 @dataclass
@@ -51,17 +76,6 @@ class Turn:
         return split_channels(self.text).reasoning
 
 
-def template_text(tokenizer) -> str:
-    t = getattr(tokenizer, "chat_template", None)
-    if isinstance(t, dict):
-        return "\n".join(map(str, t.values()))
-    return t if isinstance(t, str) else ""
-
-
-def supports_reasoning(tokenizer) -> bool:
-    return "reasoning_strength" in template_text(tokenizer)
-
-
 @dataclass
 class Conversation:
     settings: Settings = field(default_factory=Settings)
@@ -78,18 +92,10 @@ class Conversation:
         return out + [{"role": "user", "content": user}]
 
     def generation_kwargs(self) -> dict:
-        s = self.settings
-        kwargs = dict(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed if s.seed is not None else secrets.randbelow(2**31),
-            block_size=s.block_size,
-            speculative=s.speculative,
-        )
+        """`stream_generate`'s arguments for the next turn: its settings and the chat template's keywords."""
+        kwargs: dict = {"settings": self.settings.generation()}
         if self.reasoning_supported:
-            kwargs["chat_template_kwargs"] = {"reasoning_strength": s.reasoning}
+            kwargs["chat_template_kwargs"] = {REASONING_VARIABLE: self.settings.reasoning}
         return kwargs
 
 
@@ -135,8 +141,7 @@ def run_turn(
     return Turn(messages[-1]["content"], "".join(text), ids, stats, cancelled)
 
 
-def rebuild_state(pair, processed: list[int], state: DecodeState, *, speculative: bool = True,
-                  block_size: int | None = None) -> int:
+def rebuild_state(pair, processed: list[int], state: DecodeState, settings: Settings = DEFAULT_CHAT) -> int:
     """Refill `state` with the cache a live session had after `processed` (a resumed chat's stored ids).
 
     Prefills exactly those ids, with the drafter (when speculative) observing them as it
@@ -145,8 +150,7 @@ def rebuild_state(pair, processed: list[int], state: DecodeState, *, speculative
     """
     if not processed:
         return 0
-    chunks = stream_generate(pair, list(processed), state=state, max_tokens=1, speculative=speculative,
-                             block_size=block_size)
+    chunks = stream_generate(pair, list(processed), settings.generation(seed=0).updated(max_tokens=1), state=state)
     try:
         next(chunks)  # the prefill step; closing here leaves state.processed == processed
     finally:

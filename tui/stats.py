@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from mlx_glimmer import GenerationStats
+from ..generate import GenerationStats
 
 BAR = "█"
 EIGHTHS = " ▁▂▃▄▅▆▇█"

@@ -8,10 +8,9 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Select, Static, TextArea
 
-from mlx_glimmer import GenerationStats
-
+from ..chat_template import DEFAULT_REASONING, REASONING_LEVELS
+from ..generate import GenerationStats
 from .channels import split_channels
-from .commands import REASONING_LEVELS
 from .history import InputHistory
 from .session import Turn
 from .stats import histogram, prefill_line, sparkline, stats_rows, turn_summary
@@ -168,7 +167,7 @@ class AssistantMessage(Vertical):
 class StatsPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("reasoning strength", id="reasoning-label")
-        yield Select([(r, r) for r in REASONING_LEVELS], allow_blank=False, value="high", id="reasoning", compact=True)
+        yield Select([(r, r) for r in REASONING_LEVELS], allow_blank=False, value=DEFAULT_REASONING, id="reasoning", compact=True)
         yield Static("", id="numbers", markup=False)
         yield Label("tokens committed per round")
         yield Static("", id="rounds", markup=False)

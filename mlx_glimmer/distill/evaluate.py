@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..drafter import DFlashDrafter, DFlashModel
+from ..drafters.dflash import DFlashDrafter, DFlashModel
 from ..sampling import SamplingParams
 from ..speculative import generate_steps
 from ..target import Target

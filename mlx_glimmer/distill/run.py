@@ -20,15 +20,24 @@ import mlx.core as mx
 
 from ..errors import GlimmerError
 from .data import (
-    DATA_DIR, Answerer, MLXAnswerer, TorchAnswerer, chat_prompt_ids, generate_responses, load_prompts, read_records,
+    DATA_DIR,
+    Answerer,
+    MLXAnswerer,
+    TorchAnswerer,
+    chat_prompt_ids,
+    generate_responses,
+    load_prompts,
+    read_records,
     self_instructions,
 )
-from .prompts import FOLLOW_UPS, build_prompt_set
 from .evaluate import heldout_acceptance
-from .train import Trainer, TrainConfig
+from .prompts import FOLLOW_UPS, build_prompt_set
+from .step import TrainConfig
+from .train import Trainer
 
 
 def add_distill_parser(sub) -> None:
+    d = TrainConfig()  # the recipe's defaults, shown in the help as they are
     p = sub.add_parser(
         "distill",
         help="train a DFlash drafter for a target on its own answers",
@@ -59,11 +68,14 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--temperatures", default="0", help="comma-separated answer temperatures; one pass each (default 0)")
     p.add_argument("--answer-tokens", type=int, default=160, help="max tokens per answer (default 160)")
     p.add_argument("--batch-size", type=int, default=32, help="answers generated per batch (default 32)")
-    p.add_argument("--layers", type=int, default=3, help="drafter layers (default 3)")
-    p.add_argument("--context-layers", type=int, default=5, help="target layers feeding the drafter (default 5)")
-    p.add_argument("--steps", type=int, default=4000, help="training steps, one answer each (default 4000)")
-    p.add_argument("--anchors", type=int, default=32, help="blocks per answer per step (default 32)")
-    p.add_argument("--sequences-per-step", type=int, default=4, help="answers per optimiser step (default 4)")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"drafter layers (default {d.layers})")
+    p.add_argument("--context-layers", type=int, default=d.context_layers,
+                   help=f"target layers feeding the drafter (default {d.context_layers})")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help=f"optimiser steps, --sequences-per-step answers each (default {d.steps})")
+    p.add_argument("--anchors", type=int, default=d.anchors, help=f"blocks per answer per step (default {d.anchors})")
+    p.add_argument("--sequences-per-step", type=int, default=d.sequences_per_step,
+                   help=f"answers per optimiser step (default {d.sequences_per_step})")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary: the N tokens the target emits most (default: every emitted token)")
     p.add_argument("--init", default="random",
@@ -75,12 +87,13 @@ def add_distill_parser(sub) -> None:
                         "Linux when installed, mlx elsewhere")
     p.add_argument("--no-compile", action="store_true",
                    help="torch backend: skip torch.compile (it compiles once per padded context width before the first step, minutes, and then ~halves step time)")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
+    p.add_argument("--lr", type=float, default=d.learning_rate, help=f"peak learning rate (default {d.learning_rate:g})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help=f"steps between held-out evaluations (default {d.eval_every})")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
     p.add_argument("--eval-tokens", type=int, default=96, help="tokens per held-out prompt (default 96)")
     p.add_argument("--mask-token", type=int, default=None, help="mask token id (default: an unused special token)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
     p.add_argument("--train-only", action="store_true",
                    help="generate nothing: train on the answers already in OUT/data (for example while a partial "

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from mlx.utils import tree_flatten
 
-from ..drafter import DFlashModel, DrafterConfig
-from .train import Batch, TrainConfig, learning_rate
+from ..drafters.base import DrafterConfig
+from ..drafters.dflash import DFlashModel
+from .step import Batch, TrainConfig, learning_rate
 
 
 def context_mask(anchors: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ fine-tunes its weights, growing a shallower drafter by identity layers
 (`load_for_fine_tuning`).
 
 The optimiser step runs on one of two backends behind the `TrainStep`
-protocol, both fed the same `Batch`: `MLXStep` trains our MLX `DFlashModel`
+protocol (`step.py`: the contract both sides share), both fed the same `Batch`: `MLXStep` trains our MLX `DFlashModel`
 itself (MLX on the GPU is the fast choice on a Mac); `TorchStep`
 (`torch_step.py`) trains transformers' `MuseGlimmerAssistantModel` under
 bfloat16 autocast, the fast choice on a CPU with AVX-512 bf16/AMX, and copies
@@ -33,12 +33,9 @@ drafter stays the one that is evaluated, saved and shipped.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,76 +43,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafter import DFlashModel, DrafterConfig, dflash_target_layer_ids
+from ..drafters.base import DrafterConfig
+from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
 from .features import FeatureSource, FeatureStore, target_features  # noqa: F401  (re-exported for tests and scripts)
-
-
-@dataclass
-class TrainConfig:
-    layers: int = 3
-    context_layers: int = 5
-    block_size: int = 16
-    anchors: int = 32  # blocks per sequence per step
-    sequences_per_step: int = 4
-    draft_vocab_size: int | None = None  # None: every token the target emitted
-    init: str = "random"  # "random", "target", or a drafter directory to fine-tune
-    gamma: float = 7.0
-    learning_rate: float = 6e-4
-    warmup: int = 100
-    steps: int = 4000
-    weight_decay: float = 0.01
-    seed: int = 0
-    eval_every: int = 500
-    checkpoint_every: int = 250
-    backend: str = "mlx"  # "mlx" or "torch" (see TrainStep)
-    compile: bool = True  # torch: torch.compile the step, once per context width before the first step (minutes)
-    context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes, each compiled once
-
-
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to the peak, then cosine decay to 5% of it at `config.steps`."""
-    peak = config.learning_rate
-    if step < config.warmup:
-        return peak * step / max(config.warmup, 1)
-    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass
-class Batch:
-    """One optimiser step's inputs: S answers x A blocks of B positions (numpy; blocks past an answer's
-    anchors are padding with `valid` 0)."""
-
-    ctx: np.ndarray  # [S, T, k*H] float16 target features, zero past each sequence's end
-    block_ids: np.ndarray  # [S, A, B] the anchor token, then mask tokens
-    anchors: np.ndarray  # [S, A] position of each block's anchor
-    labels: np.ndarray  # [S, A, B-1] draft-vocabulary ids of the target's next B-1 tokens (0 where not valid)
-    valid: np.ndarray  # [S, A, B-1] float32, 1 where supervised
-
-    @property
-    def positions(self) -> float:
-        return float(self.valid.sum())
-
-
-class TrainStep(Protocol):
-    def __call__(self, batch: Batch) -> float:
-        """One optimiser step on `batch`; returns its loss."""
-
-    def loss(self, batch: Batch) -> float:
-        """The loss on `batch`, weights unchanged."""
-
-    def warm_up(self, batch: Batch) -> None:
-        """Run `batch`'s forward and backward once, weights and optimiser unchanged (compiles its shapes)."""
-
-    def sync(self) -> None:
-        """Bring the MLX drafter's weights up to date (before evaluating or saving)."""
-
-    def save_optimizer(self, path: Path) -> None: ...
-
-    def load_optimizer(self, path: Path) -> None:
-        """Restore the optimiser state, after the MLX drafter's weights were restored."""
+from .step import Batch, TrainConfig, TrainStep, learning_rate  # noqa: F401  (TrainConfig re-exported for scripts)
 
 
 def drafter_config_for(target: Target, train: TrainConfig, mask_token_id: int, draft_vocab_size: int | None) -> DrafterConfig:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..errors import GlimmerError
+from ..flags import positive_int
 
 
 def add_backend_flags(p) -> None:
@@ -47,16 +48,16 @@ def open_torch_pair(bundle: str | None, drafter: str | None = None, *, use_draft
 
 def open_backend(args, open_pair):
     """The pair for `generate`, on the backend its flags ask for (`open_pair` opens an MLX pair)."""
-    if getattr(args, "backend", "mlx") == "torch":
-        if getattr(args, "prompt_lookup", False) or getattr(args, "draft_k", None) is not None:
+    if args.backend == "torch":
+        if args.prompt_lookup or args.draft_k is not None:
             raise GlimmerError("--backend torch drafts with DFlash drafters only (no --prompt-lookup / --draft-k)")
         return open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
                                dtype=args.torch_dtype)
     return open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,
-                     draft_k=getattr(args, "draft_k", None), prompt_lookup=getattr(args, "prompt_lookup", False))
+                     draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
 
 
-def add_parity_parser(sub, positive_int) -> None:
+def add_parity_parser(sub) -> None:
     p = sub.add_parser(
         "parity",
         help="check that MLX and torch decode a pair to the same tokens",

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import DFlashDrafter, DrafterConfig
+from ..drafters.base import DrafterConfig
+from ..drafters.dflash import DFlashDrafter
 from .target import TorchTarget, cache_keyword
 
 

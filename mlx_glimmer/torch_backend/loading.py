@@ -17,16 +17,18 @@ text are those of the MLX backend.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..drafter import DFlashModel, DrafterConfig, read_weights
+from ..drafters import DRAFT_MODEL, FAMILIES, drafter_kind
+from ..drafters.base import DrafterConfig, read_weights
+from ..drafters.dflash import DFlashModel
 from ..errors import GlimmerError
-from ..loading import _check_model_dir, checked_dflash_config, drafter_kind, open_tokenizer, pair_paths, read_target_config
+from ..files import check_model_dir, read_config_json
+from ..loading import open_tokenizer, pair_paths, read_target_config
 from ..speculative import Drafter
 from . import weights as W
 from .device import pick_device, pick_dtype
@@ -50,6 +52,11 @@ class TorchPair:
     @property
     def name(self) -> str:
         return self.target_path.parent.name if self.target_path.name == "target" else self.target_path.name
+
+    @property
+    def device_key(self) -> str:
+        """The torch device and compute dtype (`generate.GenerationPair`)."""
+        return f"{self.device}|{self.dtype}"
 
 
 def is_mlx_layout(config: dict) -> bool:
@@ -140,13 +147,13 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
     from transformers import MuseGlimmerAssistantModel
 
     path = Path(path)
-    _check_model_dir(path, "drafter")
+    check_model_dir(path, "drafter")
     kind = drafter_kind(path)
     if kind != "dflash":
-        what = "a draft model (causal LM)" if kind == "draft-model" else f"a {kind} drafter"
+        what = "a classic draft model (an autoregressive LM)" if kind == DRAFT_MODEL else f"a {kind} block drafter"
         raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is {what}); use --backend mlx")
-    cfg = checked_dflash_config(path, target)
-    quant = json.loads((path / "config.json").read_text()).get("quantization")  # valid: checked above
+    cfg = FAMILIES[kind].checked_config(path, target)
+    quant = read_config_json(path, "drafter").get("quantization")
     raw = W.dequantize(DFlashModel.sanitize(read_weights(path, "drafter")), quant, path)
     vocab = raw.pop("draft_vocab", None)
     with W.empty_parameters():

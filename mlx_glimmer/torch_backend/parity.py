@@ -133,9 +133,10 @@ def read_prompts(path: Path | None, limit: int) -> list[str | list[dict]]:
 
 
 def encode(tokenizer, prompt, chat: bool) -> list[int]:
+    from ..chat_template import has_chat_template
     from ..generate import encode_prompt
 
-    if isinstance(prompt, str) and chat and getattr(tokenizer, "chat_template", None) is not None:
+    if isinstance(prompt, str) and chat and has_chat_template(tokenizer):
         prompt = [{"role": "user", "content": prompt}]
     return encode_prompt(tokenizer, prompt)
 

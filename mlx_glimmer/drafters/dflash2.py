@@ -29,17 +29,27 @@ checkpoints name the codebooks without `.weight`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter import MLP, Attention, BlockContext, DFlashDrafter, DrafterConfig, read_weights, validate_pair
-from .errors import GlimmerError
+from ..errors import GlimmerError
+from ..sampling import probabilities
+from ..target import output_projection
+from .base import (
+    MLP,
+    Attention,
+    BlockContext,
+    BlockDrafter,
+    DrafterConfig,
+    load_block_model,
+    make_rope,
+    quantizable,
+    read_drafter_config,
+)
 
 SELECTOR_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -62,8 +72,10 @@ class DFlash2Config(DrafterConfig):
     is_causal: bool | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
+    NEEDS_VOCAB: ClassVar[bool] = True  # the selector's codebooks are vocabulary-sized
+
     @classmethod
-    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> "DFlash2Config":
+    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> DFlash2Config:
         cfg = cls.from_dict(raw)  # DrafterConfig reads the shared DFlash fields (dflash_config, rope, ...)
         cfg.raw = dict(raw)
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
@@ -93,17 +105,6 @@ class DFlash2Config(DrafterConfig):
             )
         if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
             raise GlimmerError(f"{where}: dflash_config.selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
-
-
-def read_dflash2_config(path: Path) -> DFlash2Config:
-    cfg_file = Path(path) / "config.json"
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise GlimmerError(f"{cfg_file}: drafter config.json not found") from None
-    except json.JSONDecodeError as e:
-        raise GlimmerError(f"{cfg_file}: not valid JSON ({e})") from None
-    return DFlash2Config.from_raw(raw)
 
 
 class DFlash2Attention(Attention):
@@ -197,8 +198,6 @@ class CandidateSelector(nn.Module):
         (tokens [n], candidates [n, k], scores [n, k], probs over candidates [n, k] or None).
         Greedy when `params` is None or greedy; nothing is evaluated here.
         """
-        from .sampling import probabilities
-
         n = logits.shape[0]
         k = min(self.top_k, logits.shape[-1])
         candidates = mx.argpartition(logits, kth=-k, axis=-1)[:, -k:]
@@ -222,21 +221,6 @@ class CandidateSelector(nn.Module):
             tokens.append(previous)
             scores.append(s)
         return mx.concatenate(tokens), candidates, mx.stack(scores), (mx.stack(q_rows) if q_rows else None)
-
-
-def make_rope(cfg: DrafterConfig):
-    return initialize_rope(
-        cfg.head_dim,
-        base=cfg.rope_theta,
-        traditional=False,
-        scaling_config=cfg.rope_scaling,
-        max_position_embeddings=cfg.max_position_embeddings,
-    )
-
-
-def quantizable(module) -> bool:
-    """Convert's rule for the small side parts (codebooks, low-rank heads): float unless 32 divides the input width."""
-    return module.weight.shape[-1] % 32 == 0
 
 
 class DFlash2Model(BlockContext, nn.Module):
@@ -266,38 +250,9 @@ class DFlash2Model(BlockContext, nn.Module):
         return out
 
 
-def read_family_weights(path: Path, sanitize: Callable[[dict], dict]) -> dict:
-    """All tensors of a drafter directory, renamed by `sanitize`; one GlimmerError line on failure."""
-    return sanitize(read_weights(path, "drafter"))
-
-
-def load_family_weights(model: nn.Module, path: Path, weights: dict) -> nn.Module:
-    """Load (possibly quantized, as `config.json` says) `weights` into `model` strictly."""
-    path = Path(path)
-    quant = json.loads((path / "config.json").read_text()).get("quantization")
-    if quant:
-
-        def quantized_here(p, m):  # per-weight entries (another group size) win over the default
-            if not (hasattr(m, "to_quantized") and f"{p}.scales" in weights):
-                return False
-            own = quant.get(p)
-            return {k: own[k] for k in ("group_size", "bits", "mode") if k in own} if isinstance(own, dict) else True
-
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=quantized_here)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise GlimmerError(f"{path}: drafter weights do not match its config.json ({e})") from None
-    mx.eval(model.parameters())
-    model.eval()
-    return model
-
-
 def raw_output_projection(target) -> Callable[[mx.array], mx.array]:
     """The target's output projection alone (no multiplier, no softcap): what z-lab's `_output_head` returns."""
-    model = target.model
-    lm_head = model.get("lm_head") if isinstance(model, dict) else None
-    return lm_head if lm_head is not None else model.model.embed_tokens.as_linear
+    return output_projection(target.model)
 
 
 def compute_logits(hidden: mx.array, project, cfg: DFlash2Config) -> mx.array:
@@ -306,7 +261,7 @@ def compute_logits(hidden: mx.array, project, cfg: DFlash2Config) -> mx.array:
     return mx.tanh(logits / cap) * cap if cap else logits
 
 
-class DFlash2Drafter(DFlashDrafter):
+class DFlash2Drafter(BlockDrafter):
     """A DFlash2 model bound to its target (same context handling and rollback as DFlash)."""
 
     kind = "dflash2"
@@ -315,13 +270,10 @@ class DFlash2Drafter(DFlashDrafter):
         super().__init__(model, target)
         self._project = raw_output_projection(target)
 
-    def block_hidden(self, anchor: int, count: int) -> mx.array:
-        self._flush()
-        ids = mx.array([anchor] + [self.mask_token_id] * count)
-        noise = self.target.embed(ids)
-        if self.config.input_embedding_scale != 1.0:
-            noise = noise * self.config.input_embedding_scale
-        return self.model(noise[None], self.position, self.context)[0]
+    def embed_block(self, anchor: int, count: int) -> mx.array:
+        noise = super().embed_block(anchor, count)
+        scale = self.config.input_embedding_scale
+        return noise * scale if scale != 1.0 else noise
 
     def draft_logits(self, hidden: mx.array) -> mx.array:
         return compute_logits(hidden, self._project, self.config)
@@ -337,17 +289,4 @@ class DFlash2Drafter(DFlashDrafter):
 
 
 def load_dflash2_model(path: Path, cfg: DFlash2Config | None = None) -> DFlash2Model:
-    path = Path(path)
-    cfg = cfg or read_dflash2_config(path)
-    cfg.check(path / "config.json")
-    weights = read_family_weights(path, DFlash2Model.sanitize)
-    return load_family_weights(DFlash2Model(cfg), path, weights)
-
-
-def load_dflash2_drafter(path: Path, target) -> DFlash2Drafter:
-    path = Path(path)
-    cfg = read_dflash2_config(path)
-    if cfg.vocab_size is None:
-        cfg.vocab_size = target.vocab_size
-    validate_pair(target, cfg, path)
-    return DFlash2Drafter(load_dflash2_model(path, cfg), target)
+    return load_block_model(path, cfg or read_drafter_config(path, DFlash2Config), DFlash2Model)

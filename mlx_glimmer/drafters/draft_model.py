@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import make_rollback_cache, trim_cache
-from .errors import GlimmerError
-from .sampling import probabilities, sample
-from .speculative import common_prefix
+from ..cache import make_rollback_cache, trim_cache
+from ..errors import GlimmerError
+from ..sampling import probabilities, sample
+from ..speculative import common_prefix
 
 
 class DraftModelDrafter:

@@ -1,44 +1,46 @@
-"""The DFlash block drafter (`muse_glimmer_assistant`) in MLX.
+"""What every block drafter shares: its config, its layers, the context cache, the bound drafter, one loader.
 
-One forward proposes a whole block: the input is the target's raw embeddings
-of [anchor, mask, mask, ...]; queries come from the block only; keys/values
-are [context ; block], where the context is the projection of the target's
-hidden states at `target_layer_ids` for every committed position. Attention is
-bidirectional; on sliding layers a query at position q sees a key (context or
-block) at k iff |q - k| <= sliding_window, the rule of transformers'
-`create_bidirectional_sliding_window_mask`. The drafter has no embedding table or output head
-of its own: it borrows the target's.
+A block drafter (DFlash, DFlash2, DSpark) proposes a whole block in one
+forward: the input is [anchor, mask, mask, ...] (embedded by the target's
+table), queries come from the block, keys/values are [context ; block], where
+the context is a projection of the target's hidden states at
+`target_layer_ids` for every committed position. The families differ in their
+layers, their attention mask and how they turn block outputs into drafts; this
+module holds what they have in common:
 
-Also reads z-lab DFlash checkpoints (`DFlashDraftModel`: `fc` / `hidden_norm`
-names, settings in a `dflash_config` block); their math is the same.
+- `DrafterConfig`: the settings all of them read (transformers'
+  `muse_glimmer_assistant` fields and z-lab's `dflash_config` block); each
+  family subclasses it (`from_raw`, `check`, `adopt_weights`, `to_dict`);
+- `Attention`, `MLP`, `DecoderLayer`: the Qwen3-style layer (q/k RMS-norm, GQA,
+  SiLU MLP) that every family builds on;
+- `ContextCache` and `BlockContext`: per-layer context K/V, bounded by the
+  window plus `CONTEXT_SLACK`, and the block forward over it;
+- `BlockDrafter`: a model bound to its target, as the speculative loop's
+  `Drafter` (observe, rollback, propose);
+- `read_drafter_config`, `checked_config` and `load_block_model`: the one
+  config reader and the one weight loader, which honours mlx-lm's per-module
+  quantization entries (a weight quantized with another group size than the
+  default, as `convert` writes when the default does not divide its width).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .errors import GlimmerError
-from .speculative import pick
-
-
-def dflash_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
-    """The DFlash rule for which target layers feed the drafter."""
-    k, n = num_context_layers, num_target_layers
-    if k == 1:
-        return [1]
-    return [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
+from ..errors import GlimmerError
+from ..files import check_weight_files, read_config_json
+from ..speculative import pick
 
 
 @dataclass
 class DrafterConfig:
-    """`muse_glimmer_assistant` settings; defaults are transformers' own."""
+    """`muse_glimmer_assistant` settings; defaults are transformers' own. Also reads z-lab DFlash configs."""
 
     model_type: str = "muse_glimmer_assistant"
     hidden_size: int = 6656
@@ -67,6 +69,10 @@ class DrafterConfig:
     context_reach: int | None = None
     source_format: str = "muse_glimmer_assistant"
 
+    # Families whose modules are vocabulary-sized (codebooks, Markov heads) take the target's vocabulary
+    # size when their config.json does not name one.
+    NEEDS_VOCAB: ClassVar[bool] = False
+
     def __post_init__(self):
         if not self.layer_types:
             self.layer_types = ["sliding_attention"] * self.num_hidden_layers
@@ -74,7 +80,7 @@ class DrafterConfig:
             self.context_reach = self.sliding_window
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
         cfg = dict(raw)
         fmt = "muse_glimmer_assistant"
         dflash = cfg.pop("dflash_config", None)
@@ -98,8 +104,19 @@ class DrafterConfig:
         out.source_format = fmt
         return out
 
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> DrafterConfig:
+        """The config of a checkpoint's config.json (`where` names it in errors)."""
+        return cls.from_dict(raw)
+
+    def check(self, where: Path) -> None:
+        """Family-specific settings a model cannot be built without (`validate_pair` checks the fit)."""
+
+    def adopt_weights(self, names) -> None:
+        """Settle the optional parts the checkpoint's tensor `names` show it carries."""
+
     def to_dict(self) -> dict[str, Any]:
-        """The config as a transformers `muse_glimmer_assistant` config.json."""
+        """The config as a transformers `muse_glimmer_assistant` config.json (a z-lab reach included)."""
         d = {
             "architectures": ["MuseGlimmerAssistantModel"],
             "model_type": "muse_glimmer_assistant",
@@ -128,6 +145,24 @@ class DrafterConfig:
         if self.sliding_window is not None and self.context_reach != self.sliding_window:
             d["context_reach"] = self.context_reach
         return d
+
+
+def make_rope(cfg: DrafterConfig):
+    return initialize_rope(
+        cfg.head_dim,
+        base=cfg.rope_theta,
+        traditional=False,
+        scaling_config=cfg.rope_scaling,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+
+
+def quantizable(module) -> bool:
+    """Convert's rule for the small side parts (codebooks, low-rank heads): float unless 32 divides the input width."""
+    return module.weight.shape[-1] % 32 == 0
+
+
+# ---- layers ----------------------------------------------------------------------------------------------
 
 
 class Attention(nn.Module):
@@ -162,7 +197,7 @@ class Attention(nn.Module):
         k_pos = mx.arange(first_pos, position + length)[None]
         return mx.abs(q_pos - k_pos) <= self.context_reach
 
-    def __call__(self, x, rope, position: int, context: "ContextCache") -> mx.array:
+    def __call__(self, x, rope, position: int, context: ContextCache) -> mx.array:
         """`x`: block hidden states [B, L, H] at positions position..position+L-1."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
@@ -203,14 +238,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class ContextProjection(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.output_norm_enc = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def __call__(self, features):
-        return self.output_norm_enc(self.fc(features))
+# ---- the context -----------------------------------------------------------------------------------------
 
 
 class ContextCache:
@@ -257,10 +285,10 @@ CONTEXT_SLACK = 64
 
 
 class BlockContext:
-    """Context K/V and block forward shared by every DFlash-style drafter (layers, norm, rope).
+    """Context K/V and block forward shared by every block drafter model (its `layers`, `norm`, `rope`).
 
     `project_context` maps target features to the context's hidden states: `hidden_norm(fc(x))` in the
-    z-lab/DSpark layout (the default), `encoder(x)` in the assistant's (DFlashModel)."""
+    z-lab/DSpark layout (the default), `encoder(x)` in the assistant's (`DFlashModel`)."""
 
     def project_context(self, features: mx.array) -> mx.array:
         return self.hidden_norm(self.fc(features))
@@ -286,115 +314,18 @@ class BlockContext:
         return self.norm(h)
 
 
-class DFlashModel(BlockContext, nn.Module):
-    """The drafter's weights and forward; bound to a target's embedding and head by `DFlashDrafter`."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.config = cfg
-        self.encoder = ContextProjection(cfg)
-        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        if cfg.draft_vocab_size:
-            self.draft_vocab = mx.zeros((cfg.draft_vocab_size,), dtype=mx.int32)
-        self.rope = initialize_rope(
-            cfg.head_dim,
-            base=cfg.rope_theta,
-            traditional=False,
-            scaling_config=cfg.rope_scaling,
-            max_position_embeddings=cfg.max_position_embeddings,
-        )
-
-    def project_context(self, features: mx.array) -> mx.array:
-        return self.encoder(features)
-
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
-        for k, v in weights.items():
-            k = k.removeprefix("model.")
-            if k.startswith("fc."):
-                k = "encoder." + k
-            elif k.startswith("hidden_norm."):
-                k = "encoder.output_norm_enc." + k[len("hidden_norm.") :]
-            if k.startswith(("embed_tokens.", "lm_head.")):
-                continue
-            out[k] = v
-        return out
+# ---- the bound drafter -----------------------------------------------------------------------------------
 
 
-def read_weights(path: Path, what: str) -> dict[str, mx.array]:
-    """All model*.safetensors tensors of a model directory, as MLX arrays."""
-    files = sorted(Path(path).glob("model*.safetensors"))
-    if not files:
-        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # a truncated or foreign file
-            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
-    return weights
+class BlockDrafter:
+    """A block drafter model bound to its target: proposes a block from the committed context.
 
+    Target features are collected as they come (`observe`) and projected into the context K/V in one
+    batch before the next block (or every 512 positions); `rollback` forgets the newest positions."""
 
-def read_drafter_config(path: Path) -> DrafterConfig:
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise GlimmerError(f"{cfg_file}: drafter config.json not found")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise GlimmerError(f"{cfg_file}: not valid JSON ({e})") from None
-    return DrafterConfig.from_dict(raw)
+    kind = "block"
 
-
-def validate_pair(target, cfg: DrafterConfig, drafter_path: Path) -> None:
-    """Does this drafter config fit `target` (a `TargetModel` on either backend)?"""
-    where = drafter_path / "config.json"
-    if cfg.hidden_size != target.hidden_size:
-        raise GlimmerError(f"{where}: hidden_size {cfg.hidden_size} does not match the target's {target.hidden_size}")
-    n = target.num_layers
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
-    if bad:
-        raise GlimmerError(f"{where}: target_layer_ids {bad} out of range for a {n}-layer target")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
-        raise GlimmerError(f"{where}: num_target_layers {cfg.num_target_layers} does not match the target's {n} layers")
-    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-        raise GlimmerError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's {target.vocab_size}")
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise GlimmerError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({target.vocab_size})")
-    if cfg.block_size < 2:
-        raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
-
-
-def load_dflash_model(path: Path, config: DrafterConfig | None = None) -> DFlashModel:
-    path = Path(path)
-    config = config or read_drafter_config(path)
-    weights = DFlashModel.sanitize(read_weights(path, "drafter"))
-    model = DFlashModel(config)
-    quant = json.loads((path / "config.json").read_text()).get("quantization")
-    if quant:
-        nn.quantize(
-            model,
-            group_size=quant["group_size"],
-            bits=quant["bits"],
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
-        )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise GlimmerError(f"{path}: drafter weights do not match its config.json ({e})") from None
-    mx.eval(model.parameters())
-    model.eval()
-    return model
-
-
-class DFlashDrafter:
-    """A DFlash model bound to its target: proposes a block from the committed context."""
-
-    kind = "dflash"
-
-    def __init__(self, model: DFlashModel, target):
+    def __init__(self, model, target):
         self._bind(model, model.config, target, model.get("draft_vocab"))
         self.context: list[ContextCache] = []
         self._pending: list[mx.array] = []
@@ -453,12 +384,14 @@ class DFlashDrafter:
             c.trim(rest)
         return True
 
+    def embed_block(self, anchor: int, count: int) -> mx.array:
+        """The block's input [count + 1, H]: the target's raw embedding rows of [anchor, mask x count]."""
+        return self.target.embed(mx.array([anchor] + [self.mask_token_id] * count))
+
     def block_hidden(self, anchor: int, count: int) -> mx.array:
         """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""
         self._flush()
-        position = self.position
-        ids = mx.array([anchor] + [self.mask_token_id] * count)
-        return self.model(self.target.embed(ids)[None], position, self.context)[0]
+        return self.model(self.embed_block(anchor, count)[None], self.position, self.context)[0]
 
     def propose(self, anchor: int, count: int, params, key):
         choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, key)
@@ -467,3 +400,93 @@ class DFlashDrafter:
         if probs is not None:
             probs = self.target.sampling.spread(probs, self.draft_vocab, self.target.vocab_size)
         return self.draft_vocab[choice], probs
+
+
+# ---- reading and loading ---------------------------------------------------------------------------------
+
+
+def read_drafter_config(path: Path, config_class: type[DrafterConfig] = DrafterConfig) -> DrafterConfig:
+    """The one config reader: a drafter directory's config.json as `config_class`."""
+    path = Path(path)
+    return config_class.from_raw(read_config_json(path, "drafter"), path / "config.json")
+
+
+def validate_pair(target, cfg: DrafterConfig, drafter_path: Path) -> None:
+    """Does this drafter config fit `target` (a `TargetModel` on either backend)?"""
+    where = Path(drafter_path) / "config.json"
+    if cfg.hidden_size != target.hidden_size:
+        raise GlimmerError(f"{where}: hidden_size {cfg.hidden_size} does not match the target's {target.hidden_size}")
+    n = target.num_layers
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
+    if bad:
+        raise GlimmerError(f"{where}: target_layer_ids {bad} out of range for a {n}-layer target")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
+        raise GlimmerError(f"{where}: num_target_layers {cfg.num_target_layers} does not match the target's {n} layers")
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise GlimmerError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's {target.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise GlimmerError(
+            f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({target.vocab_size})"
+        )
+    if cfg.block_size < 2:
+        raise GlimmerError(f"{where}: block_size {cfg.block_size} must be at least 2")
+
+
+def checked_config(path: Path, target, config_class: type[DrafterConfig] = DrafterConfig) -> DrafterConfig:
+    """A drafter's config, checked against `target` (either backend) and for its own needs, with its weight files."""
+    path = Path(path)
+    cfg = read_drafter_config(path, config_class)
+    if cfg.vocab_size is None and cfg.NEEDS_VOCAB:
+        cfg.vocab_size = target.vocab_size
+    validate_pair(target, cfg, path)
+    cfg.check(path / "config.json")
+    check_weight_files(path)
+    return cfg
+
+
+def read_weights(path: Path, what: str) -> dict[str, mx.array]:
+    """All model*.safetensors tensors of a model directory, as MLX arrays."""
+    files = sorted(Path(path).glob("model*.safetensors"))
+    if not files:
+        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # a truncated or foreign file
+            raise GlimmerError(f"{f}: cannot read safetensors ({e})") from None
+    return weights
+
+
+def load_block_weights(model: nn.Module, path: Path, weights: dict[str, mx.array]) -> nn.Module:
+    """Load `weights` into `model` strictly, quantized as its config.json's `quantization` block says:
+    the default `group_size`/`bits`, or a module's own entry (mlx-lm's per-module layout) where it has one."""
+    path = Path(path)
+    quant = read_config_json(path, "drafter").get("quantization")
+    if quant:
+
+        def quantized_here(p, m):
+            if not (hasattr(m, "to_quantized") and f"{p}.scales" in weights):
+                return False
+            own = quant.get(p)
+            return {k: own[k] for k in ("group_size", "bits", "mode") if k in own} if isinstance(own, dict) else True
+
+        nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
+                    class_predicate=quantized_here)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise GlimmerError(f"{path}: drafter weights do not match its config.json ({e})") from None
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_block_model(path: Path, cfg: DrafterConfig, model_class) -> nn.Module:
+    """The one weight loader: a drafter directory's tensors (renamed by `model_class.sanitize`) in a new
+    `model_class(cfg)`."""
+    path = Path(path)
+    cfg.check(path / "config.json")
+    weights = model_class.sanitize(read_weights(path, "drafter"))
+    cfg.adopt_weights(weights)
+    return load_block_weights(model_class(cfg), path, weights)

@@ -17,16 +17,15 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from . import stream_generate
-from .generate import GenerationStats
-from .loading import Pair
-from .prompt_cache import PromptCache, PromptCacheStats
+from ..generate import GenerationPair, GenerationStats, stream_generate
+from ..settings import GenerationSettings
+from .metrics import ServerMetrics
+from .prompt_cache import PromptCache
 
 
 @dataclass
@@ -34,13 +33,7 @@ class GenerationRequest:
     """A validated request, prompt already tokenized."""
 
     prompt_tokens: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    speculative: bool = True
-    block_size: int | None = None
+    settings: GenerationSettings = field(default_factory=GenerationSettings)
     stop: list[str] = field(default_factory=list)
 
 
@@ -107,80 +100,10 @@ class StopMatcher:
         return out
 
 
-@dataclass
-class ServerMetrics:
-    """Running totals for `/metrics`: written by the worker thread under `lock`, read through `snapshot()`."""
-
-    requests: Counter = field(default_factory=Counter)  # by finish reason ("stop", "length", "cancelled", "error")
-    rejected: int = 0  # answered 503 because the queue was full
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-    generated_tokens: int = 0
-    target_forwards: int = 0
-    committed_by_rounds: int = 0  # tokens committed by verify rounds (the numerator of mean acceptance)
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    queue_wait_s: float = 0.0
-    block_sizes: Counter = field(default_factory=Counter)  # requests by block width
-    acceptance: Counter = field(default_factory=Counter)  # rounds by tokens committed
-    last_decode_tokens_per_second: float = 0.0
-    active_memory_bytes: int = 0
-    peak_memory_bytes: int = 0
-    cache_memory_bytes: int = 0
-    prefix_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
-    prefix_cache_entries: int = 0
-    prefix_cache_bytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def snapshot(self) -> "ServerMetrics":
-        """A consistent copy for the HTTP side to read."""
-        with self.lock:
-            return replace(self, requests=Counter(self.requests), block_sizes=Counter(self.block_sizes),
-                           acceptance=Counter(self.acceptance), prefix_cache=replace(self.prefix_cache),
-                           lock=threading.Lock())
-
-    def record_cache(self, cache: PromptCache) -> None:
-        with self.lock:
-            self.prefix_cache = replace(cache.stats)
-            self.prefix_cache_entries = len(cache)
-            self.prefix_cache_bytes = cache.nbytes
-
-    def count(self, finish_reason: str) -> None:
-        with self.lock:
-            self.requests[finish_reason] += 1
-
-    def record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
-        with self.lock:
-            self._record(stats, finish_reason, queue_wait_s)
-
-    def _record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
-        self.requests[finish_reason] += 1
-        self.prompt_tokens += stats.prompt_tokens
-        self.prefill_tokens += stats.prefill_tokens
-        self.reused_tokens += stats.prompt_tokens - stats.prefill_tokens
-        self.generated_tokens += stats.generated_tokens
-        self.target_forwards += stats.target_forwards
-        self.committed_by_rounds += sum(stats.acceptance_lengths)
-        self.acceptance.update(stats.acceptance_lengths)
-        self.block_sizes[stats.block_size] += 1
-        if stats.generated_tokens > 1 and stats.decode_tokens_per_second > 0:
-            self.decode_s += (stats.generated_tokens - 1) / stats.decode_tokens_per_second
-            self.last_decode_tokens_per_second = stats.decode_tokens_per_second
-        if stats.prefill_tokens_per_second > 0:
-            self.prefill_s += stats.prefill_tokens / stats.prefill_tokens_per_second
-        self.queue_wait_s += queue_wait_s
-        self.peak_memory_bytes = max(self.peak_memory_bytes, int(stats.peak_memory_gb * 1e9))
-
-    @property
-    def mean_acceptance(self) -> float:
-        return self.committed_by_rounds / self.target_forwards if self.target_forwards else 0.0
-
-
 class PairLoader(Protocol):
     """Opens the pair to serve; called once, on the generation thread."""
 
-    def __call__(self) -> Pair: ...
+    def __call__(self) -> GenerationPair: ...
 
 
 class GenerationWorker:
@@ -292,18 +215,7 @@ def answer(pair, prompt_cache: PromptCache, job: Job) -> Finished | Failed:
     wait = time.perf_counter() - job.enqueued_at
     conv = prompt_cache.take(req.prompt_tokens)
     pair = replace(pair, drafter=conv.drafter)
-    chunks = stream_generate(
-        pair,
-        req.prompt_tokens,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        block_size=req.block_size,
-        speculative=req.speculative and pair.drafter is not None,
-        state=conv.state,
-    )
+    chunks = stream_generate(pair, req.prompt_tokens, req.settings, state=conv.state)
     stop = StopMatcher(req.stop)
     stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
     finish = None

@@ -2,21 +2,26 @@
 
 Bad input becomes an `APIError` (an OpenAI-style error body with a 4xx
 status), never a traceback. Fields we do not implement are refused with a
-clear 400 when a client asks for them (`n > 1`, tools, logprobs, penalties,
-`logit_bias`, structured output); harmless ones (`user`, `metadata`, ...)
-are ignored.
+clear 400 when a client asks for them (`n > 1`, logprobs, penalties,
+`logit_bias`, structured output, the deprecated `functions`); harmless ones
+(`user`, `metadata`, `parallel_tool_calls`, ...) are ignored. Tools are
+checked and planned in tools.py.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .generate import GenerationStats
+from ..chat_template import REASONING_LEVELS
+from ..generate import GenerationStats
+from ..sampling import SamplingError
+from ..settings import AUTO, GenerationSettings
 
 
 class APIError(Exception):
@@ -37,10 +42,45 @@ def error_body(message: str, type: str = "invalid_request_error", code: str | No
 # ---- request bodies -------------------------------------------------------------------------------
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema, given to the chat template as it is
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of `tools`: `{"type": "function", "function": {"name": ..., "parameters": {...}}}`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"  # a JSON object, as text (OpenAI) or already decoded
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (as a response's `message.tool_calls` gave it)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+    name: str | None = None
+    reasoning_content: str | None = None  # assistant messages: their reasoning, for templates that show it
 
     @field_validator("content", mode="before")
     @classmethod
@@ -72,16 +112,16 @@ class CommonFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float | None = None  # temperature, top_p, top_k: checked by SamplingParams (`request_settings`)
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     speculative: bool | None = None
-    block_size: int | None = Field(None, ge=1, le=256)
+    block_size: Annotated[int, Field(ge=1, le=256)] | Literal[AUTO] | None = None
     logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -92,11 +132,12 @@ class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None  # checked by tools.plan_tools
     functions: list | None = None
+    function_call: Any = None
     response_format: dict | None = None
-    reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal[REASONING_LEVELS] | None = None
     chat_template_kwargs: dict | None = None
 
 
@@ -107,7 +148,21 @@ class CompletionRequest(CommonFields):
     best_of: int | None = None
 
 
-UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]", "list[dict]", "dict", "none", "function-after[text_only(), str]"}
+UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]", "list[dict]", "dict", "none", "constrained-int",
+              "literal['auto']", "function-after[text_only(), str]"}
+
+
+def check_messages(req: "ChatCompletionRequest") -> None:
+    """What the field types alone do not say about a conversation."""
+    for i, m in enumerate(req.messages):
+        if m.content is None and m.role != "assistant":
+            raise APIError(400, f"messages.{i}.content: a {m.role} message needs content", param=f"messages.{i}.content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages.{i}.tool_call_id: a tool message needs the id of the call it answers",
+                           param=f"messages.{i}.tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages.{i}.tool_calls: only assistant messages hold tool calls",
+                           param=f"messages.{i}.tool_calls")
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
@@ -136,8 +191,8 @@ def refuse_unsupported(req: CommonFields) -> None:
     if req.logit_bias:
         no("logit_bias", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.functions or req.tool_choice not in (None, "none"):
-            no("tools", "tool calling")
+        if req.functions or req.function_call is not None:
+            no("functions" if req.functions else "function_call", "the deprecated functions API (use tools)")
         if req.top_logprobs:
             no("top_logprobs", "logprobs")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -162,33 +217,52 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def call_arguments(call: ToolCall, param: str) -> dict:
+    """A history call's arguments as the object chat templates iterate over (mlx_lm.server decodes them too)."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{param}: not valid JSON: {e}", param=param) from None
+    if not isinstance(args, dict):
+        raise APIError(400, f"{param}: the arguments must be a JSON object", param=param)
+    return args
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    out = []
-    for m in req.messages:
+    """The conversation as the chat template takes it: assistant `tool_calls` with decoded arguments, and tool
+    results with the name of the function they answer (looked up from the call they name)."""
+    out, names = [], {}
+    for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": m.text()})
+        msg = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = []
+            for j, c in enumerate(m.tool_calls):
+                args = call_arguments(c, f"messages.{i}.tool_calls.{j}.function.arguments")
+                msg["tool_calls"].append({"id": c.id, "type": "function",
+                                          "function": {"name": c.function.name, "arguments": args}})
+                names[c.id] = c.function.name
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+            if name := m.name or names.get(m.tool_call_id):
+                msg["name"] = name
+        if m.role == "assistant" and m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
     return out
 
 
-@dataclass
-class Defaults:
-    """Server-side defaults for fields a request leaves out (the `serve` flags)."""
-
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    speculative: bool = True
-    block_size: int | None = None
-
-
-def sampling_fields(req: CommonFields, defaults: Defaults, prompt_tokens: int, max_context: int | None) -> dict:
-    """max_tokens, sampling and speculation settings of a request, checked against the context limit."""
+def request_settings(req: CommonFields, defaults: GenerationSettings, prompt_tokens: int,
+                     max_context: int | None) -> tuple[GenerationSettings, list[str]]:
+    """A request's settings (its fields over the server's `defaults`) and stop strings, checked against the
+    context limit."""
     if max_context is not None and prompt_tokens >= max_context:
         raise APIError(400, f"the prompt has {prompt_tokens} tokens; this model's context is {max_context} tokens",
                        param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                        code="context_length_exceeded")
-    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    asked = (req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None) or req.max_tokens
     if asked is None:
         max_tokens = defaults.max_tokens if max_context is None else min(defaults.max_tokens, max_context - prompt_tokens)
     elif max_context is not None and prompt_tokens + asked > max_context:
@@ -196,16 +270,13 @@ def sampling_fields(req: CommonFields, defaults: Defaults, prompt_tokens: int, m
                        f"context of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
     else:
         max_tokens = asked
-    return dict(
-        max_tokens=max_tokens,
-        temperature=defaults.temperature if req.temperature is None else req.temperature,
-        top_p=defaults.top_p if req.top_p is None else req.top_p,
-        top_k=defaults.top_k if req.top_k is None else req.top_k,
-        seed=req.seed or 0,
-        speculative=defaults.speculative if req.speculative is None else req.speculative,
-        block_size=req.block_size or defaults.block_size,
-        stop=stop_strings(req.stop),
-    )
+    try:
+        settings = defaults.updated(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=req.seed or 0, speculative=req.speculative,
+                                    block_size=req.block_size)
+    except SamplingError as e:
+        raise APIError(400, f"{e.field}: {e}", param=e.field) from None
+    return settings, stop_strings(req.stop)
 
 
 # ---- response bodies ------------------------------------------------------------------------------
@@ -257,18 +328,28 @@ class ResponseShape:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats, queue_wait_s: float) -> dict:
+    def whole(self, text: str, finish_reason: str, stats: GenerationStats, queue_wait_s: float, *,
+              reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text if text or not tool_calls else None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._envelope(False), "choices": [choice], "usage": usage(stats),
                 "glimmer": glimmer_stats(stats, queue_wait_s)}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, role: bool = False) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, role: bool = False,
+              reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

@@ -3,10 +3,12 @@
 Routes follow mlx_lm.server: `POST /v1/chat/completions` and `POST
 /v1/completions` (JSON, or SSE with `"stream": true`), `GET /v1/models`,
 `GET /health`, and `GET /metrics` (Prometheus text). Responses carry the
-standard `usage` and our own figures in a `glimmer` object.
+standard `usage` and our own figures in a `glimmer` object. Chat replies come
+back split (tools.py): reasoning in `reasoning_content`, tool calls parsed
+into `tool_calls`, the rest in `content`.
 
 Requests are validated and tokenized on the HTTP side, then queued for the
-one generation thread (`server_worker.GenerationWorker`); a full queue
+one generation thread (`worker.GenerationWorker`); a full queue
 answers 503 with Retry-After. A client that goes away cancels its request.
 """
 
@@ -22,26 +24,30 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import GlimmerError
-from .generate import encode_prompt
-from .server_protocol import (
+from ..chat_template import reasoning_kwargs
+from ..errors import GlimmerError
+from ..generate import encode_prompt
+from ..settings import GenerationSettings
+from .metrics import metrics_text
+from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    Defaults,
     ResponseShape,
     chat_messages,
+    check_messages,
     error_body,
     parse,
     refuse_unsupported,
-    sampling_fields,
+    request_settings,
 )
-from .server_worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job, QueueFull
+from .tools import ResponseParser, ToolPlan, plan_tools, with_instruction
+from .worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job, QueueFull
 
 DEFAULT_CONTEXT = 131072  # when the target's config names no max_position_embeddings
 
@@ -50,7 +56,7 @@ DEFAULT_CONTEXT = 131072  # when the target's config names no max_position_embed
 class ServerState:
     worker: GenerationWorker
     model_name: str
-    defaults: Defaults = field(default_factory=Defaults)
+    defaults: GenerationSettings  # for what a request leaves out (the serve flags)
     max_context: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,12 +73,6 @@ def model_context(pair) -> int:
         if isinstance(cfg.get("max_position_embeddings"), int):
             return cfg["max_position_embeddings"]
     return DEFAULT_CONTEXT
-
-
-def supports_reasoning_strength(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    text = "\n".join(map(str, template.values())) if isinstance(template, dict) else str(template or "")
-    return "reasoning_strength" in text
 
 
 # ---- request handling --------------------------------------------------------------------------------
@@ -106,15 +106,14 @@ def check_model(server: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def tokenize(server: ServerState, req) -> list[int]:
+def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int]:
     tokenizer = server.pair.tokenizer
     with server.tokenizer_lock:  # HF tokenizers may refuse concurrent use from several threads
         if isinstance(req, ChatCompletionRequest):
-            messages = chat_messages(req)
-            kwargs = dict(server.chat_template_kwargs)
-            if req.reasoning_effort and supports_reasoning_strength(tokenizer):
-                kwargs["reasoning_strength"] = req.reasoning_effort
-            kwargs.update(req.chat_template_kwargs or {})
+            plan = plan or ToolPlan()
+            messages = with_instruction(chat_messages(req), plan.instruction)
+            kwargs = {**server.chat_template_kwargs, **reasoning_kwargs(tokenizer, req.reasoning_effort),
+                      **({"tools": plan.tools} if plan.tools else {}), **(req.chat_template_kwargs or {})}
             try:
                 return encode_prompt(tokenizer, messages, kwargs)
             except GlimmerError as e:
@@ -139,15 +138,16 @@ async def completion(request: Request, chat: bool):
     req = parse(ChatCompletionRequest if chat else CompletionRequest, await read_json(request))
     check_model(server, req.model)
     refuse_unsupported(req)
+    plan = None
     if chat:
-        for i, m in enumerate(req.messages):
-            if m.content is None and m.role != "assistant":
-                raise APIError(400, f"messages.{i}.content: a {m.role} message needs content", param=f"messages.{i}.content")
-    tokens = await run_in_threadpool(tokenize, server, req)
+        check_messages(req)
+        plan = plan_tools(req, server.pair.tokenizer, server.model_name)
+    tokens = await run_in_threadpool(tokenize, server, req, plan)
     if not tokens:
         raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    fields = sampling_fields(req, server.defaults, len(tokens), server.max_context)
-    gen = GenerationRequest(prompt_tokens=tokens, **fields)
+    settings, stop = request_settings(req, server.defaults, len(tokens), server.max_context)
+    gen = GenerationRequest(tokens, settings, stop)
+    reader = ResponseParser(server.pair.tokenizer, tokens, plan) if chat else None
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -167,9 +167,10 @@ async def completion(request: Request, chat: bool):
     shape = ResponseShape.new(chat, server.model_name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_events(job, events, shape, include_usage), media_type="text/event-stream",
+        return StreamingResponse(stream_events(job, events, shape, include_usage, reader),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await whole_response(request, job, events, shape)
+    return await whole_response(request, job, events, shape, reader)
 
 
 def retry_after(server: ServerState) -> int:
@@ -179,8 +180,26 @@ def retry_after(server: ServerState) -> int:
     return max(1, min(60, math.ceil(per_request * (server.worker.queue_depth + 1))))
 
 
-async def whole_response(request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape):
-    text = []
+TOOL_CHOICE_STATUS = 422  # a valid request whose tool_choice the reply did not meet (not retried by clients)
+
+
+def tool_choice_error(message: str) -> dict:
+    return error_body(message, code="tool_choice_not_met")
+
+
+def final_reason(finish_reason: str, calls: list[dict]) -> str:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+async def whole_response(request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape,
+                         reader: ResponseParser | None = None):
+    text, reasoning = [], []
+
+    def add(parts):
+        for kind, value in parts:
+            if kind != "tool_calls":
+                (reasoning if kind == "reasoning" else text).append(value)
+
     try:
         while True:
             try:
@@ -191,9 +210,16 @@ async def whole_response(request: Request, job: Job, events: asyncio.Queue, shap
                     return JSONResponse(error_body("client disconnected"), status_code=499)
                 continue
             if isinstance(event, Delta):
-                text.append(event.text)
+                add(reader.feed(event.text) if reader else [("content", event.text)])
             elif isinstance(event, Finished):
-                return JSONResponse(shape.whole("".join(text), event.finish_reason, event.stats, event.queue_wait_s))
+                calls = []
+                if reader is not None:
+                    add(reader.finish())
+                    calls, error = reader.plan.check(reader.calls)
+                    if error:
+                        return JSONResponse(tool_choice_error(error), status_code=TOOL_CHOICE_STATUS)
+                return JSONResponse(shape.whole("".join(text), final_reason(event.finish_reason, calls), event.stats,
+                                                event.queue_wait_s, reasoning="".join(reasoning), tool_calls=calls))
             elif isinstance(event, Failed):
                 return JSONResponse(error_body(event.message, "server_error"), status_code=500)
     finally:
@@ -204,16 +230,63 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def stream_events(job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool):
+def part_chunks(shape: ResponseShape, parts, first_index: int = 0) -> list[dict]:
+    """SSE chunks for parsed parts: adjacent text of one kind in one chunk, each call with its stream index."""
+    chunks, index = [], first_index
+    for kind, value in parts:
+        if kind == "tool_calls":
+            calls = [{"index": index + i, **c} for i, c in enumerate(value)]
+            index += len(calls)
+            chunks.append(("tool_calls", shape.chunk(tool_calls=calls)))
+            continue
+        field = "reasoning_content" if kind == "reasoning" else "content"
+        if chunks and chunks[-1][0] == kind:
+            chunks[-1][1]["choices"][0]["delta"][field] += value
+        else:
+            chunks.append((kind, shape.chunk(value) if kind == "content" else shape.chunk(reasoning=value)))
+    return [c for _, c in chunks]
+
+
+async def stream_events(job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool,
+                        reader: ResponseParser | None = None):
+    held = []  # with tool_choice required / named: content and calls wait until the reply has been checked
+    enforced = reader is not None and reader.plan.enforced
+    sent_calls = 0
+
+    def emit(parts) -> list[str]:
+        nonlocal sent_calls
+        if enforced:
+            held.extend(p for p in parts if p[0] != "reasoning")
+            parts = [p for p in parts if p[0] == "reasoning"]
+        out = [sse(c) for c in part_chunks(shape, parts, sent_calls)]
+        sent_calls += sum(len(v) for k, v in parts if k == "tool_calls")
+        return out
+
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
         while True:
             event = await events.get()
             if isinstance(event, Delta):
-                yield sse(shape.chunk(event.text))
+                for chunk in emit(reader.feed(event.text)) if reader else [sse(shape.chunk(event.text))]:
+                    yield chunk
             elif isinstance(event, Finished):
-                yield sse(shape.final_chunk(event.finish_reason, event.stats, event.queue_wait_s))
+                finish = event.finish_reason
+                if reader is not None:
+                    for chunk in emit(reader.finish()):
+                        yield chunk
+                    calls, error = reader.plan.check(reader.calls)
+                    if error:
+                        yield sse(tool_choice_error(error))
+                        yield sse("[DONE]")
+                        return
+                    if enforced:
+                        allowed = {id(c) for c in calls}
+                        kept = [(k, v if k != "tool_calls" else [c for c in v if id(c) in allowed]) for k, v in held]
+                        for chunk in part_chunks(shape, [(k, v) for k, v in kept if v]):
+                            yield sse(chunk)
+                    finish = final_reason(finish, calls)
+                yield sse(shape.final_chunk(finish, event.stats, event.queue_wait_s))
                 if include_usage:
                     yield sse(shape.usage_chunk(event.stats))
                 yield sse("[DONE]")
@@ -227,52 +300,6 @@ async def stream_events(job: Job, events: asyncio.Queue, shape: ResponseShape, i
 
 
 # ---- the app --------------------------------------------------------------------------------------------
-
-
-def metrics_text(server: ServerState) -> str:
-    w, m = server.worker, server.worker.metrics.snapshot()
-    cache = m.prefix_cache
-    lines = []
-
-    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]] | float):
-        lines.append(f"# HELP glimmer_{name} {help}")
-        lines.append(f"# TYPE glimmer_{name} {kind}")
-        for labels, value in samples if isinstance(samples, list) else [("", samples)]:
-            lines.append(f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}")
-
-    metric("requests_total", "counter", "requests finished, by finish reason",
-           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)])
-    metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
-    metric("queue_depth", "gauge", "requests waiting for the generation thread", w.queue_depth)
-    metric("busy", "gauge", "1 while a request is generating", int(w.busy))
-    metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
-    metric("prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
-    metric("reused_tokens_total", "counter", "prompt tokens served from the prefix cache", m.reused_tokens)
-    metric("generated_tokens_total", "counter", "tokens generated", m.generated_tokens)
-    metric("target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
-    metric("mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance))
-    metric("decode_tokens_per_second", "gauge", "decode speed over all requests",
-           float((m.generated_tokens - sum(m.requests.values())) / m.decode_s) if m.decode_s else 0.0)
-    metric("last_decode_tokens_per_second", "gauge", "decode speed of the last request", float(m.last_decode_tokens_per_second))
-    metric("prefill_tokens_per_second", "gauge", "prefill speed over all requests",
-           float(m.prefill_tokens / m.prefill_s) if m.prefill_s else 0.0)
-    metric("queue_wait_seconds_total", "counter", "time requests spent queued", float(m.queue_wait_s))
-    metric("block_size_requests_total", "counter", "requests by draft block width",
-           [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)])
-    metric("rounds_by_committed_tokens_total", "counter", "verify rounds by tokens committed (acceptance histogram)",
-           [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)])
-    metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
-    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks)
-    metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
-    metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
-    metric("prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)
-    metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", m.prefix_cache_bytes)
-    metric("prefix_cache_max_bytes", "gauge", "prefix cache bound", w.prompt_cache_bytes)
-    metric("active_memory_bytes", "gauge", "MLX active memory (sampled when idle)", m.active_memory_bytes)
-    metric("cache_memory_bytes", "gauge", "MLX buffer cache (sampled when idle)", m.cache_memory_bytes)
-    metric("peak_memory_bytes", "gauge", "MLX peak memory of any request", m.peak_memory_bytes)
-    metric("uptime_seconds", "gauge", "seconds since the server started", float(time.time() - server.started))
-    return "\n".join(lines) + "\n"
 
 
 def create_app(server: ServerState) -> FastAPI:
@@ -321,7 +348,10 @@ def create_app(server: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(metrics_text(server), media_type="text/plain; version=0.0.4")
+        w = server.worker
+        text = metrics_text(w.metrics, queue_depth=w.queue_depth, busy=w.busy, prompt_cache_max_bytes=w.prompt_cache_bytes,
+                            uptime_s=time.time() - server.started)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -340,7 +370,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(load_pair, *, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          defaults: Defaults | None = None, max_queue: int = 32, prompt_cache_bytes: int = 1 << 30,
+          defaults: GenerationSettings, max_queue: int = 32, prompt_cache_bytes: int = 1 << 30,
           max_context: int | None = None, log_level: str = "warning") -> None:
     """Load the pair on the generation thread, then serve until interrupted."""
     import uvicorn
@@ -351,13 +381,13 @@ def serve(load_pair, *, host: str = "127.0.0.1", port: int = 8080, model_name: s
               file=sys.stderr)
     worker = GenerationWorker(load_pair, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes)
     pair = worker.start()
-    server = ServerState(worker, model_name or pair.name, defaults or Defaults(),
-                         max_context or model_context(pair))
+    server = ServerState(worker, model_name or pair.name, defaults, max_context or model_context(pair))
     app = create_app(server)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"mlx-glimmer serve: '{server.model_name}' ({'drafter ' + pair.drafter.kind if pair.drafter else 'no drafter'}, "
           f"context {server.max_context}) at http://{shown}:{actual}/v1", file=sys.stderr, flush=True)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             worker.cancel_all()  # open streams end after their current round, so shutdown does not wait on them

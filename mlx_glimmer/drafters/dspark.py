@@ -26,17 +26,25 @@ DeepSeek-V4 (`mtp.*`, MLA + MoE) and Gemma4 DSpark backbones are not read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .dflash2 import BlockContext, load_family_weights, make_rope, quantizable, read_family_weights
-from .drafter import DecoderLayer, DFlashDrafter, DrafterConfig, validate_pair
-from .errors import GlimmerError
+from ..errors import GlimmerError
+from ..sampling import probabilities
+from .base import (
+    BlockContext,
+    BlockDrafter,
+    DecoderLayer,
+    DrafterConfig,
+    load_block_model,
+    make_rope,
+    quantizable,
+    read_drafter_config,
+)
 
 DEFAULT_CONFIDENCE_THRESHOLD = 0.5
 UNSUPPORTED_BACKBONES = ("deepseek_v4", "gemma4", "gemma4_text")
@@ -51,8 +59,10 @@ class DSparkConfig(DrafterConfig):
     confidence_bias: bool = True
     raw: dict = field(default_factory=dict, repr=False)
 
+    NEEDS_VOCAB: ClassVar[bool] = True  # the Markov head is vocabulary-sized
+
     @classmethod
-    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> "DSparkConfig":
+    def from_raw(cls, raw: dict[str, Any], where: Path | None = None) -> DSparkConfig:
         model_type = raw.get("model_type")
         if model_type in UNSUPPORTED_BACKBONES or "dspark_block_size" in raw:
             raise GlimmerError(
@@ -89,17 +99,6 @@ class DSparkConfig(DrafterConfig):
         self.own_embeddings = "embed_tokens.weight" in names
         self.own_head = "lm_head.weight" in names
         self.confidence_bias = "confidence_head.proj.bias" in names
-
-
-def read_dspark_config(path: Path) -> DSparkConfig:
-    cfg_file = Path(path) / "config.json"
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise GlimmerError(f"{cfg_file}: drafter config.json not found") from None
-    except json.JSONDecodeError as e:
-        raise GlimmerError(f"{cfg_file}: not valid JSON ({e})") from None
-    return DSparkConfig.from_raw(raw, cfg_file)
 
 
 class MarkovHead(nn.Module):
@@ -142,7 +141,7 @@ class DSparkModel(BlockContext, nn.Module):
         return {k.removeprefix("model."): v for k, v in weights.items()}
 
 
-class DSparkDrafter(DFlashDrafter):
+class DSparkDrafter(BlockDrafter):
     """A DSpark head bound to its target. `block_size` is the verify width (drafts + anchor)."""
 
     kind = "dspark"
@@ -170,8 +169,6 @@ class DSparkDrafter(DFlashDrafter):
 
     def draft_block(self, anchor: int, n: int, params=None, key=None):
         """Walk the block left to right: (tokens [n], biased logits [n, V], confidence logits [n], probs [n, V] | None)."""
-        from .sampling import probabilities
-
         hidden = self.block_hidden(anchor)[:n]
         base = self.base_logits(hidden).astype(mx.float32)
         head, conf = self.model.markov_head, self.model.confidence_head
@@ -212,18 +209,4 @@ class DSparkDrafter(DFlashDrafter):
 
 
 def load_dspark_model(path: Path, cfg: DSparkConfig | None = None) -> DSparkModel:
-    path = Path(path)
-    cfg = cfg or read_dspark_config(path)
-    cfg.check(path / "config.json")
-    weights = read_family_weights(path, DSparkModel.sanitize)
-    cfg.adopt_weights(weights)
-    return load_family_weights(DSparkModel(cfg), path, weights)
-
-
-def load_dspark_drafter(path: Path, target) -> DSparkDrafter:
-    path = Path(path)
-    cfg = read_dspark_config(path)
-    if cfg.vocab_size is None:
-        cfg.vocab_size = target.vocab_size
-    validate_pair(target, cfg, path)
-    return DSparkDrafter(load_dspark_model(path, cfg), target)
+    return load_block_model(path, cfg or read_drafter_config(path, DSparkConfig), DSparkModel)

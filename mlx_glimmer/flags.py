@@ -1,0 +1,83 @@
+"""Command-line flags several subcommands share, and turning them into one `GenerationSettings`.
+
+Kept apart from cli.py so that subcommands defined elsewhere (serve, bench, parity, distill) use the
+same flags without importing the CLI that imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import GlimmerError
+from .sampling import SamplingError
+from .settings import AUTO, GenerationSettings
+
+# The flag of each field a sampling error names.
+FLAG_OF = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens",
+           "block_size": "--block-size", "seed": "--seed"}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def block_size_arg(text: str) -> int | str:
+    return AUTO if text == AUTO else positive_int(text)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, defaults: GenerationSettings = GenerationSettings(), *,
+                       seed: bool = True, what: str = "") -> None:
+    """--max-tokens --temp --top-p --top-k [--seed] --block-size --no-spec; help shows `defaults`.
+    `what`: whose setting it is in the help ("a request's " for serve's defaults)."""
+    s = defaults.sampling
+    p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens,
+                   help=f"most tokens {what or 'to generate'} (default {defaults.max_tokens})")
+    p.add_argument("--temp", type=float, default=s.temperature,
+                   help=f"sampling temperature{what and ' ' + what}; 0 = greedy (default {s.temperature:g})")
+    p.add_argument("--top-p", type=float, default=s.top_p, help=f"nucleus sampling mass (default {s.top_p:g}; 1 = off)")
+    p.add_argument("--top-k", type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)")
+    if seed:
+        p.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed for sampling (default {defaults.seed})")
+    p.add_argument(
+        "--block-size",
+        type=block_size_arg,
+        default=defaults.block_size,
+        metavar="auto|N",
+        help="verify width: drafted tokens + the anchor. auto (default): chosen every round from the measured "
+        "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
+        "drafting does not pay; N fixes it",
+    )
+    p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
+
+
+def add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter directory replacing the bundle's: a DFlash / DFlash2 / DSpark checkpoint, or any mlx-lm model "
+        "with the target's tokenizer (classic drafting)",
+    )
+    p.add_argument(
+        "--draft-k", type=positive_int, default=None,
+        help="tokens per round for a draft model (default: adaptive) or prompt lookup (default 10)",
+    )
+    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
+
+
+def checked(prog: str, make):
+    """`make()`, with a setting out of range told as one error line naming `prog`'s flag."""
+    try:
+        return make()
+    except SamplingError as e:
+        raise GlimmerError(f"{prog}: {e.named(FLAG_OF.get(e.field, e.field))}") from None
+
+
+def settings_from_args(args, prog: str) -> GenerationSettings:
+    """The `GenerationSettings` of `add_sampling_flags`' flags."""
+    return checked(prog, lambda: GenerationSettings.of(
+        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        block_size=args.block_size, speculative=not args.no_spec, **({"seed": args.seed} if "seed" in args else {}),
+    ))

@@ -1,0 +1,128 @@
+"""The server's running totals (`ServerMetrics`, written by the generation thread) and `/metrics`' text."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from ..generate import GenerationStats
+from .prompt_cache import PromptCache, PromptCacheStats
+
+
+@dataclass
+class ServerMetrics:
+    """Running totals for `/metrics`: written by the worker thread under `lock`, read through `snapshot()`."""
+
+    requests: Counter = field(default_factory=Counter)  # by finish reason ("stop", "length", "cancelled", "error")
+    rejected: int = 0  # answered 503 because the queue was full
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    committed_by_rounds: int = 0  # tokens committed by verify rounds (the numerator of mean acceptance)
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    queue_wait_s: float = 0.0
+    block_sizes: Counter = field(default_factory=Counter)  # requests by block width
+    acceptance: Counter = field(default_factory=Counter)  # rounds by tokens committed
+    last_decode_tokens_per_second: float = 0.0
+    active_memory_bytes: int = 0
+    peak_memory_bytes: int = 0
+    cache_memory_bytes: int = 0
+    prefix_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> "ServerMetrics":
+        """A consistent copy for the HTTP side to read."""
+        with self.lock:
+            return replace(self, requests=Counter(self.requests), block_sizes=Counter(self.block_sizes),
+                           acceptance=Counter(self.acceptance), prefix_cache=replace(self.prefix_cache),
+                           lock=threading.Lock())
+
+    def record_cache(self, cache: PromptCache) -> None:
+        with self.lock:
+            self.prefix_cache = replace(cache.stats)
+            self.prefix_cache_entries = len(cache)
+            self.prefix_cache_bytes = cache.nbytes
+
+    def count(self, finish_reason: str) -> None:
+        with self.lock:
+            self.requests[finish_reason] += 1
+
+    def record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
+        with self.lock:
+            self._record(stats, finish_reason, queue_wait_s)
+
+    def _record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
+        self.requests[finish_reason] += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.prefill_tokens += stats.prefill_tokens
+        self.reused_tokens += stats.prompt_tokens - stats.prefill_tokens
+        self.generated_tokens += stats.generated_tokens
+        self.target_forwards += stats.target_forwards
+        self.committed_by_rounds += sum(stats.acceptance_lengths)
+        self.acceptance.update(stats.acceptance_lengths)
+        self.block_sizes[stats.block_size] += 1
+        if stats.generated_tokens > 1 and stats.decode_tokens_per_second > 0:
+            self.decode_s += (stats.generated_tokens - 1) / stats.decode_tokens_per_second
+            self.last_decode_tokens_per_second = stats.decode_tokens_per_second
+        if stats.prefill_tokens_per_second > 0:
+            self.prefill_s += stats.prefill_tokens / stats.prefill_tokens_per_second
+        self.queue_wait_s += queue_wait_s
+        self.peak_memory_bytes = max(self.peak_memory_bytes, int(stats.peak_memory_gb * 1e9))
+
+    @property
+    def mean_acceptance(self) -> float:
+        return self.committed_by_rounds / self.target_forwards if self.target_forwards else 0.0
+
+
+def metrics_text(metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int,
+                 uptime_s: float) -> str:
+    """The Prometheus text of `/metrics`."""
+    m = metrics.snapshot()
+    cache = m.prefix_cache
+    lines = []
+
+    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]] | float):
+        lines.append(f"# HELP glimmer_{name} {help}")
+        lines.append(f"# TYPE glimmer_{name} {kind}")
+        for labels, value in samples if isinstance(samples, list) else [("", samples)]:
+            lines.append(f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}")
+
+    metric("requests_total", "counter", "requests finished, by finish reason",
+           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)])
+    metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
+    metric("queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
+    metric("busy", "gauge", "1 while a request is generating", int(busy))
+    metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
+    metric("prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
+    metric("reused_tokens_total", "counter", "prompt tokens served from the prefix cache", m.reused_tokens)
+    metric("generated_tokens_total", "counter", "tokens generated", m.generated_tokens)
+    metric("target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
+    metric("mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance))
+    metric("decode_tokens_per_second", "gauge", "decode speed over all requests",
+           float((m.generated_tokens - sum(m.requests.values())) / m.decode_s) if m.decode_s else 0.0)
+    metric("last_decode_tokens_per_second", "gauge", "decode speed of the last request", float(m.last_decode_tokens_per_second))
+    metric("prefill_tokens_per_second", "gauge", "prefill speed over all requests",
+           float(m.prefill_tokens / m.prefill_s) if m.prefill_s else 0.0)
+    metric("queue_wait_seconds_total", "counter", "time requests spent queued", float(m.queue_wait_s))
+    metric("block_size_requests_total", "counter", "requests by draft block width",
+           [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)])
+    metric("rounds_by_committed_tokens_total", "counter", "verify rounds by tokens committed (acceptance histogram)",
+           [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)])
+    metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
+    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks)
+    metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
+    metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
+    metric("prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)
+    metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", m.prefix_cache_bytes)
+    metric("prefix_cache_max_bytes", "gauge", "prefix cache bound", prompt_cache_max_bytes)
+    metric("active_memory_bytes", "gauge", "MLX active memory (sampled when idle)", m.active_memory_bytes)
+    metric("cache_memory_bytes", "gauge", "MLX buffer cache (sampled when idle)", m.cache_memory_bytes)
+    metric("peak_memory_bytes", "gauge", "MLX peak memory of any request", m.peak_memory_bytes)
+    metric("uptime_seconds", "gauge", "seconds since the server started", float(uptime_s))
+    return "\n".join(lines) + "\n"
