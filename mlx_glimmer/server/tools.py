@@ -193,8 +193,14 @@ class ResponseParser:
             self._start(self.format)
 
     def _start(self, fmt: dict | None) -> None:
-        view = _TokenizerView(self.tokenizer, has_tool_calling=self.parse_calls,
-                              response_transitions=(fmt or {}).get("transitions", {}))
+        transitions = {state: list(edges) for state, edges in (fmt or {}).get("transitions", {}).items()}
+        for edges in list(transitions.values()):
+            for _, state in edges:
+                transitions.setdefault(state, [])  # every state a format leads to exists
+        closes_at_end = self.parse_calls  # (make_text_state_machine adds the exit at the tool-call end marker)
+        if transitions.get("tool") == [] and self.tokenizer.tool_call_end:
+            transitions["tool"], closes_at_end = [(self.tokenizer.tool_call_end, "normal")], True
+        view = _TokenizerView(self.tokenizer, has_tool_calling=self.parse_calls, response_transitions=transitions)
         self.machine = make_text_state_machine(view)
         if fmt is not None:
             initial = fmt["initial_state"]
@@ -206,7 +212,7 @@ class ResponseParser:
         # The marker that opens a tool block, and the one that closes it (re-added when a block stays text).
         into_tool = [m for edges in (fmt or {}).get("transitions", {}).values() for m, d in edges if d == "tool"]
         self.tool_open = self.tokenizer.tool_call_start if self.parse_calls else (into_tool[0] if into_tool else "")
-        self.tool_close = (self.tokenizer.tool_call_end or "") if self.parse_calls else ""
+        self.tool_close = (self.tokenizer.tool_call_end or "") if closes_at_end else ""
         self.state = self.machine.make_state(initial)
 
     def feed(self, text: str) -> list[tuple[str, object]]:
