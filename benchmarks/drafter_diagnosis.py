@@ -45,6 +45,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def shown(path) -> str:
+    """A path as a results file records it: relative to the repository, or under $MLX_GLIMMER_CACHE."""
+    from mlx_glimmer.paths import cache_dir
+
+    path = Path(path).resolve()
+    for base, name in ((ROOT, ""), (cache_dir().resolve(), "$MLX_GLIMMER_CACHE/")):
+        if path.is_relative_to(base):
+            return name + str(path.relative_to(base))
+    return path.name
 DEFAULT_RESPONSES = ROOT / "benchmarks" / "distill" / "demo2" / "responses.jsonl.gz"
 CACHE = ROOT / "runs" / "drafter_diagnosis"
 
@@ -536,9 +547,9 @@ def main(argv=None) -> int:
     features = args.features if args.features != "auto" else ("torch" if forward == "torch" else "mlx")
     results = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "settings": {"drafter": str(drafter_dir), "bundle": str(pair.target_path.parent), "target": pair.quantization,
+        "settings": {"drafter": shown(drafter_dir), "bundle": shown(pair.target_path.parent), "target": pair.quantization,
                      "answers": args.answers, "prompts": args.prompts, "max_tokens": args.max_tokens, "block_size": B,
-                     "sampling": "greedy", "chat_template": True, "seed": args.seed, "responses": args.responses,
+                     "sampling": "greedy", "chat_template": True, "seed": args.seed, "responses": shown(args.responses),
                      "training_forward": forward, "training_features": features,
                      "drafter_training_backend": logged, "draft_vocab": None if pair.drafter.draft_vocab is None
                      else int(pair.drafter.draft_vocab.shape[0])},
@@ -558,7 +569,7 @@ def main(argv=None) -> int:
         heldout, secs = heldout_answers(pair, prompts, args.max_tokens, cache_dir)
         results["seconds"]["heldout_answers"] = round(secs, 1)
         results["heldout_answers"] = {"count": len(heldout), "tokens": sum(len(a["response_ids"]) for a in heldout),
-                                      "cache": str(cache_dir / f"heldout_greedy_{args.max_tokens}.json")}
+                                      "cache": shown(cache_dir / f"heldout_greedy_{args.max_tokens}.json")}
 
     if "a" in args.parts:
         tic = time.perf_counter()
