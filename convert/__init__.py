@@ -1,6 +1,19 @@
-"""Checkpoint conversion: HF safetensors / GGUF -> MLX bundle (`mlx-glimmer convert`)."""
+"""Checkpoint conversion: HF safetensors / GGUF -> MLX bundle (`mlx-glimmer convert`).
 
-from .bundle import ConvertReport, convert
-from .gguf import find_or_fetch_smollm2_gguf
+Its names are imported on first use, so the command line builds `convert`'s flags without MLX."""
 
-__all__ = ["ConvertReport", "convert", "find_or_fetch_smollm2_gguf"]
+_API = {
+    "ConvertReport": ".bundle",
+    "convert": ".bundle",
+    "find_or_fetch_smollm2_gguf": ".gguf",
+}
+
+__all__ = list(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        from importlib import import_module
+
+        return getattr(import_module(_API[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from .._version import __version__
 from ..errors import GlimmerError
-from ..loading import BUNDLE_FORMAT
+from ..files import BUNDLE_FORMAT
 from .drafter_plan import plan_drafter
+from .formats import BITS, DEFAULT_MAX_SHARD
 from .gguf import plan_gguf
 from .plan import ModelPlan
 from .quantize import FLOAT_DTYPES, GROUP_SIZES
@@ -25,8 +26,6 @@ from .safetensors_stream import write_model_shards
 from .sources import Source, resolve
 from .target_plan import plan_target, target_shape_probe
 
-BITS = (2, 3, 4, 5, 6, 8, 16)
-DEFAULT_MAX_SHARD = "5GB"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 

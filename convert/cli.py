@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from ..errors import GlimmerError
-from .bundle import BITS, DEFAULT_MAX_SHARD, GROUP_SIZES, ConvertReport, Progress, convert
-from .quantize import FLOAT_DTYPES
+from .formats import BITS, DEFAULT_MAX_SHARD, FLOAT_DTYPE_NAMES, GROUP_SIZES
+
+if TYPE_CHECKING:
+    from .bundle import ConvertReport
 
 DESCRIPTION = """\
 Convert a target checkpoint (and optionally its DFlash drafter) into an MLX bundle:
@@ -59,7 +62,7 @@ def add_convert_parser(sub) -> None:
     )
     c.add_argument(
         "--dtype",
-        choices=tuple(FLOAT_DTYPES),
+        choices=FLOAT_DTYPE_NAMES,
         default=None,
         help="float type of unquantized weights and of quantization scales (default bfloat16; float16 for a GGUF target)",
     )
@@ -80,8 +83,8 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--quiet", action="store_true", help="no progress bar and no report")
 
 
-class BarProgress(Progress):
-    """A tqdm bar on stderr: source bytes done, tensors done."""
+class BarProgress:
+    """A tqdm bar on stderr: source bytes done, tensors done (a `bundle.Progress`)."""
 
     def __init__(self):
         self.bar = None
@@ -141,6 +144,8 @@ def cmd_convert(args) -> int:
 
 
 def run_convert(args, progress) -> ConvertReport:
+    from .bundle import convert
+
     return convert(
         args.target,
         args.out,

@@ -20,11 +20,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import GlimmerError
+from .formats import FLOAT_DTYPE_NAMES, GROUP_SIZES  # noqa: F401  (GROUP_SIZES re-exported)
 from .safetensors_stream import CHUNK_BYTES, MX_CODES, num_rows
 
 EMBED_AND_HEAD = ("embed_tokens.weight", "lm_head.weight")
-GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization supports
-FLOAT_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+FLOAT_DTYPES = {name: getattr(mx, name) for name in FLOAT_DTYPE_NAMES}
 
 
 @dataclass(frozen=True)

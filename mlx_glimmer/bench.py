@@ -6,7 +6,8 @@ configuration. Interleaving keeps slow drift (thermals, other load) from
 favouring one method. Rates use one definition everywhere: tokens after the
 first / time from the first token to the last (prefill excluded).
 Greedy throughout, so every method must produce the same tokens; the run
-checks that and reports any difference.
+checks that and reports any difference. Every flag is checked (`check_bench_flags`)
+before MLX is imported and before the model loads.
 """
 
 from __future__ import annotations
@@ -20,14 +21,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
-
 from .block_policy import describe
-from .distill.data import DATA_DIR, load_prompts
 from .errors import GlimmerError
-from .flags import add_drafter_flags
-from .generate import encode_prompt, stream_generate
-from .settings import GenerationSettings
+from .flags import add_drafter_flags, nonnegative_int, positive_int
+from .paths import DATA_DIR
+from .settings import AUTO, GenerationSettings
 
 
 @dataclass
@@ -40,6 +38,7 @@ class Measurement:
     widths: list[int] = field(default_factory=list)  # verify width of every round
     mismatches: int = 0
     per_prompt_tokens_per_second: list[float] = field(default_factory=list)  # one per prompt and repeat
+    divergences: list[dict] = field(default_factory=list)  # per mismatch: `divergence.explain_divergence`'s report
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,6 +64,8 @@ def median_speedup(method: list[float], plain: list[float]) -> float:
 
 
 def device_name() -> str:
+    import mlx.core as mx
+
     if sys.platform == "darwin":
         try:
             chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
@@ -83,6 +84,7 @@ def device_name() -> str:
 
 
 def environment(pair) -> dict:
+    import mlx.core as mx
     import mlx_lm
 
     env = {
@@ -121,6 +123,8 @@ def time_mlx_lm(pair, ids: list[int], max_tokens: int) -> tuple[list[int], float
 
 
 def time_ours(pair, ids, settings: GenerationSettings):
+    from .generate import stream_generate
+
     result_ids, stats = [], None
     for chunk in stream_generate(pair, ids, settings):
         result_ids.extend(chunk.token_ids)
@@ -131,6 +135,8 @@ def time_ours(pair, ids, settings: GenerationSettings):
 
 def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | str], repeats: int = 1, warmup: int = 1,
               baseline: bool = True, log=None) -> dict:
+    from .generate import encode_prompt
+
     log = log or sys.stderr
     if pair.drafter is None and block_sizes:
         raise GlimmerError("this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)")
@@ -160,6 +166,7 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | s
                     reference = toks
                 elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
                     results[m].mismatches += 1
+                    results[m].divergences.append(divergence_report(pair, ids, reference, toks, m, n + 1))
             so_far = ", ".join(f"{m} {r.tokens_per_second:.1f}" for m, r in results.items())
             print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}", file=log, flush=True)
     plain = results["plain"].per_prompt_tokens_per_second
@@ -195,7 +202,24 @@ def format_table(report: dict) -> str:
         lines.append(f"\nmlx_lm.stream_generate {base:.1f} tok/s; our plain path {plain:.1f} tok/s ({plain / base:.3f}x of mlx-lm)")
     bad = {m: r["mismatches"] for m, r in res.items() if r["mismatches"]}
     lines.append("outputs identical across methods" if not bad else f"OUTPUT MISMATCHES: {bad}")
+    if bad:
+        from .divergence import format_divergence
+
+        lines += [format_divergence(m, d["prompt"], d) for m, r in res.items() for d in r.get("divergences", ())
+                  if d.get("tokens")]
     return "\n".join(lines)
+
+
+def divergence_report(pair, prompt: list[int], reference: list[int], tokens: list[int], method: str, index: int) -> dict:
+    """A mismatch against the first method's tokens: where, and both kernels' logit margins there (a 1-row step,
+    and a verify as wide as `method`'s, or the drafter's block for auto), so a near-tie reads as a tie."""
+    from .divergence import explain_divergence
+    from .torch_backend.parity import mlx_dtype
+
+    width = method.removeprefix("spec_b")
+    width = int(width) if width.isdigit() else (pair.drafter.block_size if pair.drafter is not None else 16)
+    d = explain_divergence(pair.target, mlx_dtype(pair), prompt, reference, tokens, max(width, 2), pair.tokenizer.decode)
+    return {"prompt": index, **(d or {"position": None, "tokens": None, "note": "one output is a prefix of the other"})}
 
 
 def add_bench_parser(sub) -> None:
@@ -207,39 +231,76 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
     p.add_argument("--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="JSONL prompts (default: held-out set)")
-    p.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default 3; 8 with --full)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 64; 128 with --full)")
+    p.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="how many prompts, from the top of the file (default 3; 8 with --full)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="tokens per answer (default 64; 128 with --full)")
     p.add_argument("--full", action="store_true", help="the full set: 8 prompts x 128 tokens")
     p.add_argument("--block-sizes", default=None,
-                   help="comma-separated verify widths and/or 'auto' (default: auto and the drafter's block size)")
-    p.add_argument("--sweep-block-size", action="store_true", help="every fixed width 2..16 and auto, side by side")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up prompts (default 1)")
+                   help="comma-separated verify widths (whole numbers >= 1, capped at the drafter's block size) and/or "
+                   "'auto' (default: auto and the drafter's block size)")
+    p.add_argument("--sweep-block-size", action="store_true",
+                   help="every fixed width from 2 to the drafter's block size, and auto, side by side")
+    p.add_argument("--repeats", type=positive_int, default=1, help="passes over the prompts (default 1)")
+    p.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up prompts (default 1; 0 = none)")
     p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json-out", default=None, help="write the JSON report here")
     add_drafter_flags(p)
 
 
+def block_sizes(args) -> list[int | str] | None:
+    """`--block-sizes` as a list ('auto' and whole numbers >= 1), or None when not given."""
+    if not args.block_sizes:
+        return None
+    try:
+        sizes = [x if x == AUTO else int(x) for x in args.block_sizes.split(",")]
+    except ValueError:
+        sizes = None
+    if sizes is None or any(x != AUTO and x < 1 for x in sizes):
+        raise GlimmerError(f"bench: --block-sizes: {args.block_sizes!r} is not a comma-separated list of whole numbers "
+                           ">= 1 and 'auto'")
+    return list(dict.fromkeys(sizes))
+
+
+def check_bench_flags(args) -> None:
+    """Every `bench` flag, before anything heavy is imported (the numbers are checked by their argparse types)."""
+    from .files import check_pair_dirs
+
+    block_sizes(args)
+    if args.sweep_block_size and args.block_sizes:
+        raise GlimmerError("bench: --sweep-block-size and --block-sizes exclude each other")
+    if not Path(args.prompts).is_file():
+        raise GlimmerError(f"bench: --prompts {args.prompts}: prompt file not found")
+    if args.json_out and Path(args.json_out).is_dir():
+        raise GlimmerError(f"bench: --json-out {args.json_out}: is a directory")
+    if args.bundle is not None:
+        check_pair_dirs(args.bundle, args.drafter, use_drafter=not args.prompt_lookup)
+    elif args.drafter is not None and not args.prompt_lookup:
+        from .files import check_model_dir
+
+        check_model_dir(Path(args.drafter), "drafter")
+
+
 def cmd_bench(args, open_pair) -> int:
-    pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise GlimmerError(f"{path}: prompt file not found")
-    args.num_prompts = args.num_prompts or (8 if args.full else 3)
-    args.max_tokens = args.max_tokens or (128 if args.full else 64)
-    texts = load_prompts(path)[: args.num_prompts]
+    from .distill.data import load_prompts
+    from .generate import widest_width
+
+    check_bench_flags(args)
+    num_prompts = args.num_prompts or (8 if args.full else 3)
+    max_tokens = args.max_tokens or (128 if args.full else 64)
+    texts = load_prompts(Path(args.prompts))[:num_prompts]
+    if not texts:
+        raise GlimmerError(f"bench: --prompts {args.prompts}: no prompts in the file")
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
+    pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+    widest = widest_width(pair.drafter) if pair.drafter is not None else 1
     if args.sweep_block_size:
-        sizes = ["auto", *range(2, 17)]
-    elif args.block_sizes:
-        try:
-            sizes = [x if x == "auto" else int(x) for x in args.block_sizes.split(",")]
-        except ValueError:
-            raise GlimmerError(f"--block-sizes: {args.block_sizes!r} is not a comma-separated list of integers and 'auto'") from None
+        sizes = [AUTO, *range(2, widest + 1)]
     else:
-        sizes = ["auto", pair.drafter.block_size] if pair.drafter is not None else []
-    report = run_bench(pair, prompts, max_tokens=args.max_tokens, block_sizes=sizes, repeats=args.repeats,
+        sizes = block_sizes(args) or ([AUTO, pair.drafter.block_size] if pair.drafter is not None else [])
+        # a fixed width wider than the drafter can fill runs as its block size (as in generate)
+        sizes = list(dict.fromkeys(x if x == AUTO else min(x, widest) for x in sizes))
+    report = run_bench(pair, prompts, max_tokens=max_tokens, block_sizes=sizes, repeats=args.repeats,
                        warmup=args.warmup, baseline=not args.no_baseline)
     report["command"] = " ".join(sys.argv)
     print(format_table(report))

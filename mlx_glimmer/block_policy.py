@@ -5,8 +5,11 @@ Two measurements drive the choice:
 - **Verify cost** (`VerifyCost`): seconds of one target forward (+ head and
   acceptance read-back) of width w = 1..W, per context-length band. Measured
   on the running device when a pair first decodes with `auto` (a few seconds),
-  cached on disk per bundle, device and dtype, and refined online from every
-  round's own timing (exponential average per band and width).
+  cached on disk per bundle, device, dtype, chip and array-library version
+  (`calibration_key`), and refined online from every round's own timing
+  (exponential average per band and width). The loop times a round as a whole,
+  from one host read to the next (`WidthPolicy.observe_round`): the draft and
+  the verify run as one queued graph.
 - **Acceptance** (`AcceptanceModel`): per-position conditional acceptance
   a_i = P(draft i kept | drafts before it kept), from recent rounds with
   exponential forgetting, so it follows the text and the context as they
@@ -31,10 +34,15 @@ and greedy output stays identical to plain decoding.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +73,13 @@ class VerifyCost:
         tokens, and other load only ever adds time, so spikes (here or at a narrower width) drop out and
         the estimate never decreases with width."""
         return min(self._raw(w, context) for w in range(width, self.max_width + 1))
+
+    def estimates(self, context: int) -> list[float]:
+        """`estimate(w, context)` for w = 1..max_width, in one pass."""
+        out = [self._raw(w, context) for w in range(1, self.max_width + 1)]
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return out
 
     def _raw(self, width: int, context: int) -> float:
         """The measured cost, or the nearest measured band's scaled by this band's width-1 figure."""
@@ -119,6 +134,42 @@ def measure_verify_cost(target, max_width: int, vocab_size: int, contexts=(32, 1
                 target.trim(cache, width)
             cost.seconds[band_of(context)][width - 1] = best
     return cost
+
+
+@functools.lru_cache(maxsize=None)
+def chip_name() -> str:
+    """The processor by name ("Apple M4 Max", "AMD EPYC 7B13"): verify costs measured on one chip do not
+    carry over to another of the same architecture."""
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+            if out:
+                return out
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_version(target) -> str:
+    """The array library the target computes with, and its version ("mlx 0.32.4", "torch 2.13.0"): kernels
+    change between releases, and so do verify costs."""
+    name = "torch" if type(target).__module__.startswith("mlx_glimmer.torch_backend") else "mlx"
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return name
+
+
+def calibration_key(target, *parts) -> str:
+    """The cache key of a verify-cost table: `parts` (bundle, device, dtype...), the chip and the library."""
+    return "|".join(map(str, (*parts, platform.machine(), chip_name(), library_version(target))))
 
 
 def cached_verify_cost(target, max_width: int, vocab_size: int, key: str, directory: Path | None) -> VerifyCost:
@@ -176,11 +227,16 @@ class AcceptanceModel:
         return out
 
     def expected_tokens(self, width: int) -> float:
-        total, survive = 1.0, 1.0
+        return self.expected_all(width)[-1]
+
+    def expected_all(self, width: int) -> list[float]:
+        """`expected_tokens(w)` for w = 1..width, in one pass."""
+        out, total, survive = [1.0], 1.0, 1.0
         for a in self.rates()[: width - 1]:
             survive *= a
             total += survive
-        return total
+            out.append(total)
+        return out + [total] * (width - len(out))
 
 
 @dataclass
@@ -207,7 +263,10 @@ class WidthPolicy:
 
     def choose(self, context: int) -> int:
         self._interval = self._interval or self.probe_interval
-        best = max(range(1, self.max_width + 1), key=lambda w: self.rate(w, context))
+        expected, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
+        draft = self.draft_seconds or 0.0
+        best = max(range(1, self.max_width + 1),
+                   key=lambda w: expected[w - 1] / max(costs[w - 1] + (draft if w > 1 else 0.0), 1e-9))
         self._probing = False
         if best > 1:
             self._plain_rounds = 0
@@ -224,12 +283,41 @@ class WidthPolicy:
         return 1
 
     def observe(self, width: int, accepted: int, context: int, draft_s: float, verify_s: float) -> None:
-        """One round's outcome: `width` verified (w - 1 drafts), `accepted` drafts kept."""
+        """One round's outcome, its draft and its verify timed apart: `width` verified (w - 1 drafts),
+        `accepted` drafts kept."""
         self.cost.observe(width, context, verify_s)
         if width > 1:
             self.acceptance.observe(width - 1, accepted)
             self.draft_seconds = draft_s if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * draft_s
-        if self._probing:
+        self._judge_probe(width, context)
+
+    def observe_round(self, width: int, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
+        """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
+        own (draft and verify run as one queued graph, so they cannot be timed apart without a second
+        sync). A drafting round's time beyond the verify estimate seeds `draft_seconds`; later rounds
+        scale the verify estimate and the draft estimate alike by how far the round missed their sum.
+        `timed` False: the time is not representative (the draft projected a long backlog of context,
+        such as a prompt's): only the acceptance counts, so no estimate is seeded from it."""
+        if width > 1:
+            self.acceptance.observe(width - 1, accepted)
+        if timed:
+            if width == 1:
+                self.cost.observe(1, context, seconds)
+            else:
+                verify = self.cost.estimate(width, context)
+                if self.draft_seconds is None:
+                    self.draft_seconds = max(seconds - verify, 0.0)
+                else:
+                    expected = verify + self.draft_seconds
+                    scale = seconds / expected if expected > 0 else 1.0
+                    self.cost.observe(width, context, verify * scale)
+                    self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * self.draft_seconds * scale
+        self._judge_probe(width, context)
+
+    def _judge_probe(self, width: int, context: int) -> None:
+        """After a probe (always wider than 1): did it pay? Then probe at the base interval, else back off."""
+        if self._probing and width > 1:
+            self._probing = False
             paid = self.rate(width, context) > self.rate(1, context)
             self._interval = self.probe_interval if paid else min(2 * self._interval, self.max_interval)
 

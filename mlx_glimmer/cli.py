@@ -1,7 +1,10 @@
 """`mlx-glimmer` command line.
 
 Every user mistake ends as one `error: ...` line on stderr and exit code 2;
-see `errors.GlimmerError`.
+see `errors.GlimmerError`. Flags are parsed and checked (`CHECKS`) before the
+BLAS re-exec and before MLX, mlx-lm, transformers or torch are imported: this
+module and the parsers it builds import none of them, and each command imports
+what it needs inside its function. A bad flag is refused in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from pathlib import Path
 
 from .chat_template import REASONING_LEVELS
 from .errors import GlimmerError
+from .files import check_model_dir, check_pair_dirs
 from .flags import add_drafter_flags, add_sampling_flags, checked, settings_from_args
+from .paths import cache_dir
 
 JSON_FIELDS = (
     "prompt_tokens",
@@ -65,6 +70,10 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(parser, "reexec", False):  # report the BLAS the commands run on
+            from .blas import ensure_fast_blas
+
+            ensure_fast_blas(cache_dir() / "blas")
         print(version_line())
         parser.exit()
 
@@ -92,7 +101,8 @@ def build_parser() -> Parser:
 
     from .bench import add_bench_parser
     from .convert.cli import add_convert_parser
-    from .distill.run import add_distill_parser
+    from .convert.formats import FLOAT_DTYPE_NAMES
+    from .distill.cli import add_distill_parser
     from .server.cli import add_serve_parser
     from .torch_backend.cli import add_backend_flags, add_parity_parser
 
@@ -113,8 +123,10 @@ def build_parser() -> Parser:
         ),
     )
     d.add_argument("--out", default=None, help="where to build (default: the cache location used by chat/generate)")
-    d.add_argument("--bits", type=int, default=None, help="target bits: 4, 8 or 16 (default: 16 on Linux, 4 on a Mac)")
-    d.add_argument("--dtype", default=None, help="float dtype (default: float32 on Linux, float16 on a Mac)")
+    d.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
+                   help="target bits: 4, 8 or 16 (default: 16 on Linux, 4 on a Mac)")
+    d.add_argument("--dtype", choices=FLOAT_DTYPE_NAMES, default=None,
+                   help="float dtype (default: float32 on Linux, float16 on a Mac)")
     d.add_argument("--no-drafter", action="store_true", help="target only")
     d.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
@@ -146,7 +158,7 @@ def build_parser() -> Parser:
     c.add_argument("--list", action="store_true", help="list the saved conversations and exit")
     c.add_argument("--no-history", action="store_true", help="neither read nor save conversations")
     c.add_argument("--system", default=None, help="system prompt")
-    from .tui.session import DEFAULT_CHAT
+    from .tui.chat_settings import DEFAULT_CHAT
 
     c.add_argument(
         "--reasoning",
@@ -177,20 +189,44 @@ def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool 
     return load(bundle, drafter=drafter, use_drafter=use_drafter, **kwargs)
 
 
+def check_bundle(args, use_drafter: bool = True) -> None:
+    """The BUNDLE (when given) and --drafter directories exist and look like models: before anything loads."""
+    drafter = getattr(args, "drafter", None)
+    if args.bundle is not None:
+        check_pair_dirs(args.bundle, drafter, use_drafter)
+    elif drafter is not None and use_drafter:
+        check_model_dir(Path(drafter), "drafter")
+
+
+def check_generate(args) -> None:
+    from .torch_backend.cli import check_backend_flags
+
+    settings_from_args(args, "generate")
+    if args.prompt == "":
+        raise GlimmerError("generate: --prompt is empty")
+    if args.system is not None and not args.chat:
+        raise GlimmerError("generate: --system needs --chat")
+    check_backend_flags(args)
+    check_bundle(args, use_drafter=not args.no_spec and not args.prompt_lookup)
+
+
 def cmd_generate(args) -> int:
+    check_generate(args)
+    settings = settings_from_args(args, "generate")
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise GlimmerError("generate: --prompt -: standard input is empty")
     from .generate import stream_generate
     from .torch_backend.cli import open_backend
 
-    settings = settings_from_args(args, "generate")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pair = open_backend(args, open_pair)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
         prompt = messages
-    elif args.system:
-        raise GlimmerError("--system needs --chat")
     chunks = stream_generate(pair, prompt, settings)
     text, ids, stats = [], [], None
     for chunk in chunks:
@@ -241,19 +277,30 @@ def chat_words(words: list[str]) -> tuple[str | None, str | None]:
     return None, (words[0] if words else None)
 
 
-def cmd_chat(args) -> int:
-    # Flag mistakes end here, before the app takes over the terminal.
+def chat_plan(args):
+    """(bundle, first message, settings, the flags given) of `chat`'s arguments, all checked: flag mistakes
+    end here, before the app takes over the terminal."""
+    from .tui.chat_settings import DEFAULT_CHAT
+
     bundle, message = chat_words(args.words)
     if message is not None and not message.strip():
         raise GlimmerError("chat: the first message is empty")
     if args.no_history and (args.list or args.resume is not None):
         raise GlimmerError(f"chat: {'--list' if args.list else '--resume'} reads the history; drop --no-history")
-    from .tui.session import DEFAULT_CHAT
-
     given = {field: getattr(args, dest) for dest, field in CHAT_FLAGS.items() if getattr(args, dest) is not None}
     if "speculative" in given:  # --no-spec
         given["speculative"] = False
     settings = checked("chat", lambda: DEFAULT_CHAT.with_changes(**given))
+    if not args.list:  # a broken bundle is one error line, not a message inside the app
+        if bundle is not None:
+            check_pair_dirs(bundle, args.drafter)
+        elif args.drafter is not None:
+            check_model_dir(Path(args.drafter), "drafter")
+    return bundle, message, settings, given
+
+
+def cmd_chat(args) -> int:
+    bundle, message, settings, given = chat_plan(args)
     from .tui.store import StoreError, format_list, open_store, resolve
 
     store, warning, resume = None, None, None
@@ -302,10 +349,15 @@ def cmd_parity(args) -> int:
     return run(args, open_pair)
 
 
+def check_demo(args) -> None:
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise GlimmerError(f"demo: --out {args.out}: exists and is not a directory")
+
+
 def cmd_demo(args) -> int:
     from .demo import build_demo, refresh_drafter
-    from .paths import cache_dir
 
+    check_demo(args)
     existing = Path(args.out or cache_dir() / "demo")
     if not args.force and (existing / "glimmer.json").is_file() and (existing / "drafter").is_dir() and not args.no_drafter:
         if not refresh_drafter(existing):
@@ -324,22 +376,45 @@ def cmd_serve(args) -> int:
     return run(args, open_pair)
 
 
+def check_bench(args) -> None:
+    from .bench import check_bench_flags
+
+    check_bench_flags(args)
+
+
+def check_distill(args) -> None:
+    from .distill.cli import check_distill_flags
+
+    check_distill_flags(args)
+
+
+def check_serve(args) -> None:
+    settings_from_args(args, "serve")
+    check_bundle(args, use_drafter=not args.prompt_lookup)
+
+
 COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill,
             "bench": cmd_bench, "demo": cmd_demo, "parity": cmd_parity, "serve": cmd_serve}
+# What each command checks before the BLAS re-exec and before anything heavy is imported (they import no
+# MLX): every flag the command takes, and the paths it was given.
+CHECKS = {"generate": check_generate, "chat": chat_plan, "bench": check_bench, "distill": check_distill,
+          "demo": check_demo, "serve": check_serve, "parity": check_bundle}
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a real command line (not a test calling main): get a fast CPU BLAS first
-        from .blas import ensure_fast_blas
-        from .paths import cache_dir
-
-        ensure_fast_blas(cache_dir() / "blas")
-    parser = build_parser()
     try:
+        parser = build_parser()
+        parser.reexec = argv is None  # a real command line, not a test calling main
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 2
+        if args.command in CHECKS:
+            CHECKS[args.command](args)
+        if argv is None:  # flags are fine: now get a fast CPU BLAS (may re-execute this command)
+            from .blas import ensure_fast_blas
+
+            ensure_fast_blas(cache_dir() / "blas")
         return COMMANDS[args.command](args)
     except GlimmerError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,7 +7,9 @@ goes deep enough to fail with a traceback.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import GlimmerError
 
@@ -57,3 +59,66 @@ def check_weight_files(path: Path, pattern: str = "model*.safetensors") -> None:
     """`check_safetensors` for every weight file of a model directory."""
     for f in sorted(Path(path).glob(pattern)):
         check_safetensors(f)
+
+
+# ---- bundles ------------------------------------------------------------------------------------------
+
+BUNDLE_FORMAT = "mlx-glimmer/1"
+
+
+def read_bundle_manifest(path: Path) -> dict[str, Any]:
+    """BUNDLE/glimmer.json, checked: a JSON object of our format naming its target (and drafter) directory."""
+    manifest_path = Path(path) / "glimmer.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GlimmerError(f"{manifest_path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise GlimmerError(f"{manifest_path}: cannot read it ({e.strerror or e})") from None
+    if not isinstance(manifest, dict):
+        raise GlimmerError(f"{manifest_path}: not a JSON object (got {type(manifest).__name__})")
+    if manifest.get("format") != BUNDLE_FORMAT:
+        raise GlimmerError(f"{manifest_path}: format {manifest.get('format')!r}, expected {BUNDLE_FORMAT!r}")
+    if not isinstance(manifest.get("target"), str) or not manifest["target"]:
+        raise GlimmerError(f"{manifest_path}: field 'target' must name the target directory")
+    if manifest.get("drafter") is not None and not isinstance(manifest["drafter"], str):
+        raise GlimmerError(f"{manifest_path}: field 'drafter' must name the drafter directory, or be null")
+    return manifest
+
+
+@dataclass
+class PairPaths:
+    target: Path
+    drafter: Path | None
+    bundle: bool  # the target is a mlx-glimmer bundle's
+
+
+def pair_paths(path, target, drafter, use_drafter: bool = True) -> PairPaths:
+    """Where the target and drafter of `load(path, target=, drafter=)` are (both backends)."""
+    bundle = False
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise GlimmerError(f"{path}: no such bundle or directory")
+        bundle = (path / "glimmer.json").is_file()
+        target_path = path
+        if bundle:
+            manifest = read_bundle_manifest(path)
+            target_path = path / manifest["target"]
+            if drafter is None and manifest.get("drafter"):
+                drafter = path / manifest["drafter"]
+    elif target is not None:
+        target_path = Path(target)
+    else:
+        raise GlimmerError("no model given: pass a bundle path or target=DIR")
+    return PairPaths(target_path, Path(drafter) if drafter is not None and use_drafter else None, bundle)
+
+
+def check_pair_dirs(path, drafter=None, use_drafter: bool = True) -> PairPaths:
+    """`pair_paths` and a look at both directories (config.json, weights present): what a command checks
+    before it loads anything, so a bad path is one error line at once."""
+    paths = pair_paths(path, None, drafter, use_drafter)
+    check_model_dir(paths.target, "target")
+    if paths.drafter is not None:
+        check_model_dir(paths.drafter, "drafter")
+    return paths

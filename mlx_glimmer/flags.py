@@ -1,16 +1,17 @@
 """Command-line flags several subcommands share, and turning them into one `GenerationSettings`.
 
 Kept apart from cli.py so that subcommands defined elsewhere (serve, bench, parity, distill) use the
-same flags without importing the CLI that imports them.
+same flags without importing the CLI that imports them. Nothing here imports MLX: every flag is parsed
+and checked before the command line re-executes for BLAS or loads a model.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from .errors import GlimmerError
-from .sampling import SamplingError
-from .settings import AUTO, GenerationSettings
+from .settings import AUTO, MAX_DRAFT_K, SEED_LIMIT, GenerationSettings, SamplingError
 
 # The flag of each field a sampling error names.
 FLAG_OF = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens",
@@ -24,8 +25,44 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def bounded_int(low: int, high: int):
+    """An argparse type: a whole number in [low, high]."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def seed_arg(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return value
+
+
 def block_size_arg(text: str) -> int | str:
     return AUTO if text == AUTO else positive_int(text)
+
+
+draft_k_arg = bounded_int(1, MAX_DRAFT_K)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults: GenerationSettings = GenerationSettings(), *,
@@ -40,7 +77,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: GenerationSettings 
     p.add_argument("--top-p", type=float, default=s.top_p, help=f"nucleus sampling mass (default {s.top_p:g}; 1 = off)")
     p.add_argument("--top-k", type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)")
     if seed:
-        p.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed for sampling (default {defaults.seed})")
+        p.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed for sampling, 0 to 2**63-1 (default {defaults.seed})")
     p.add_argument(
         "--block-size",
         type=block_size_arg,
@@ -48,7 +85,8 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults: GenerationSettings 
         metavar="auto|N",
         help="verify width: drafted tokens + the anchor. auto (default): chosen every round from the measured "
         "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
-        "drafting does not pay; N fixes it",
+        "drafting does not pay; N fixes it, capped at the drafter's block size (DFlash: its trained block, "
+        "16 for the demo drafter; a draft model or prompt lookup: --draft-k + 1)",
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
 
@@ -61,8 +99,9 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
         "with the target's tokenizer (classic drafting)",
     )
     p.add_argument(
-        "--draft-k", type=positive_int, default=None,
-        help="tokens per round for a draft model (default: adaptive) or prompt lookup (default 10)",
+        "--draft-k", type=draft_k_arg, default=None,
+        help=f"tokens per round for a draft model (default: adaptive, up to {MAX_DRAFT_K}) or prompt lookup (default "
+        f"10): 1 to {MAX_DRAFT_K}",
     )
     p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
 

@@ -18,7 +18,6 @@ On torch the device is synchronised at every step, so times are wall-clock for f
 
 from __future__ import annotations
 
-import platform
 import time
 import weakref
 from contextlib import closing
@@ -26,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
-from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, describe, width_policy
+from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, calibration_key, describe, width_policy
 from .chat_template import has_chat_template
 from .errors import GlimmerError
 from .paths import cache_dir
@@ -104,14 +103,29 @@ class GenerationChunk:
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None = None) -> list[int]:
+    """`prompt`'s token ids; every mistake in it is a `GlimmerError` naming `prompt`."""
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    prompt = list(prompt)
+        if not prompt:
+            raise GlimmerError("prompt: the prompt is empty")
+        ids = list(tokenizer.encode(prompt))
+        if not ids:
+            raise GlimmerError("prompt: the prompt encodes to no tokens")
+        return ids
+    try:
+        prompt = list(prompt)
+    except TypeError:
+        raise GlimmerError(f"prompt: a string, a list of token ids or a list of messages, got {type(prompt).__name__}") from None
     if not prompt:
-        raise GlimmerError("the prompt is empty")
-    if all(isinstance(t, int) for t in prompt):
+        raise GlimmerError("prompt: the prompt is empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     if all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        for i, m in enumerate(prompt):
+            for key in ("role", "content"):
+                if not isinstance(m[key], str):
+                    raise GlimmerError(f"prompt[{i}]['{key}'] must be a string, got {type(m[key]).__name__}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise GlimmerError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         if not has_chat_template(tokenizer):
             raise GlimmerError("this tokenizer has no chat template; pass a plain string prompt")
         text = tokenizer.apply_chat_template(
@@ -142,14 +156,19 @@ def stream_generate(
     speculative, seed 0); a keyword given here replaces its field (None leaves it). Pass the same `state`
     (a `DecodeState`) on every turn of a conversation to keep its KV cache and drafter context: each turn
     then prefills only the tokens its prompt adds to what is already cached.
+
+    Every argument is checked before anything runs (a `GlimmerError` naming it); `ttft_s` counts from this
+    call, so it includes a first `auto` run's verify-cost measurement.
     """
+    start = time.perf_counter()
+    if settings is not None and not isinstance(settings, GenerationSettings):
+        raise GlimmerError(f"settings must be a GenerationSettings, got {type(settings).__name__}")
     settings = (settings or GenerationSettings()).updated(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size, seed=seed,
         speculative=speculative,
     )
-    request = prepare_request(pair, prompt, settings, chat_template_kwargs)
     pair.target.reset_peak_memory()
-    start = time.perf_counter()
+    request = prepare_request(pair, prompt, settings, chat_template_kwargs)
     steps = generate_steps(
         pair.target,
         request.tokens,
@@ -162,8 +181,10 @@ def stream_generate(
         state=state,
         policy=request.policy,
     )
-    yield from chunks_from_steps(pair.tokenizer, steps, request.stats, settings.max_tokens, start,
-                                 pair.target.peak_memory_gb)
+    # On Metal the pair's weights stay wired while it generates (`memory.DeviceMemory`; nothing elsewhere).
+    with pair.target.memory.resident(getattr(pair.target, "model", None), getattr(request.drafter, "model", None)):
+        yield from chunks_from_steps(pair.tokenizer, steps, request.stats, settings.max_tokens, start,
+                                     pair.target.peak_memory_gb)
 
 
 @dataclass
@@ -182,8 +203,9 @@ def prepare_request(pair: GenerationPair, prompt: Prompt, settings: GenerationSe
                     chat_template_kwargs: dict | None = None) -> Request:
     """Encode and check one request's prompt against the pair, and settle its drafter and verify width.
 
-    `settings.block_size`: an int fixes the verify width; "auto" chooses it every round from measured
-    verify cost and live acceptance, up to the drafter's own block size (`block_policy.py`)."""
+    `settings.block_size`: an int fixes the verify width, at most `widest_width(drafter)` (a wider one is
+    capped); "auto" chooses it every round from measured verify cost and live acceptance, up to the
+    drafter's own block size (`block_policy.py`)."""
     tokens = encode_prompt(pair.tokenizer, prompt, chat_template_kwargs)
     vocab = pair.target.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
@@ -192,7 +214,7 @@ def prepare_request(pair: GenerationPair, prompt: Prompt, settings: GenerationSe
     if settings.auto:
         block_size = drafter.block_size if drafter is not None else 1
     else:
-        block_size = settings.block_size
+        block_size = min(settings.block_size, widest_width(drafter)) if drafter is not None else settings.block_size
     policy = auto_policy(pair, drafter) if settings.auto and drafter is not None and drafter.block_size > 1 else None
     stats = GenerationStats(
         prompt_tokens=len(tokens),
@@ -201,6 +223,14 @@ def prepare_request(pair: GenerationPair, prompt: Prompt, settings: GenerationSe
         block_policy="auto" if policy is not None else "fixed",
     )
     return Request(tokens, settings.sampling, drafter, block_size, stats, policy)
+
+
+def widest_width(drafter: Drafter) -> int:
+    """The widest verify `drafter` can fill: its block size (a DFlash drafter's trained block; a draft model's
+    or prompt lookup's draft_k + 1), or an adaptive draft model's most drafts + 1."""
+    if getattr(drafter, "adaptive", False):
+        return max(drafter.block_size, int(getattr(drafter, "max_k", 0)) + 1)
+    return drafter.block_size
 
 
 # Per target: its measured verify cost; per drafter: the policy of its last generation (acceptance carries
@@ -219,14 +249,15 @@ def _remember(table: dict, owner, value) -> None:
 
 
 def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
-    """The `auto` width policy for this pair: verify cost measured once per bundle, device and dtype (cached on disk)."""
+    """The `auto` width policy for this pair: verify cost measured once per bundle, device, dtype, chip and
+    library version (cached on disk)."""
     width = drafter.block_size
     cost = _recall(_COSTS, pair.target)
     if cost is None or cost.max_width != width:
         config = Path(pair.target_path) / "config.json"
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
-        key = "|".join(map(str, (Path(pair.target_path).resolve(), stamp, type(pair.target).__name__, pair.device_key,
-                                 platform.machine())))
+        key = calibration_key(pair.target, Path(pair.target_path).resolve(), stamp, type(pair.target).__name__,
+                              pair.device_key)
         cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost")
         _remember(_COSTS, pair.target, cost)
     policy = width_policy(width, cost, _recall(_POLICIES, drafter))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -23,11 +22,18 @@ from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 from .blas import check_fast_blas
 from .drafters import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
-from .files import check_model_dir, check_weight_files
+from .files import (  # noqa: F401  (bundle paths live in files.py, which the CLI reads before MLX loads)
+    BUNDLE_FORMAT,
+    PairPaths,
+    check_model_dir,
+    check_weight_files,
+    pair_paths,
+    read_bundle_manifest,
+)
+from .settings import MAX_DRAFT_K, check_draft_k
 from .speculative import Drafter
 from .target import Target
 
-BUNDLE_FORMAT = "mlx-glimmer/1"
 TEXT_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
 
 
@@ -117,20 +123,7 @@ def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | N
         check_same_tokenizer(tokenizer, draft_tok, str(path))
     if draft.vocab_size != target.vocab_size:
         raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
-    return DraftModelDrafter(draft.model, draft_k=draft_k or 4, adaptive=draft_k is None, max_k=16)
-
-
-def read_bundle_manifest(path: Path) -> dict[str, Any]:
-    manifest_path = path / "glimmer.json"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        raise GlimmerError(f"{manifest_path}: not valid JSON ({e})") from None
-    if manifest.get("format") != BUNDLE_FORMAT:
-        raise GlimmerError(f"{manifest_path}: format {manifest.get('format')!r}, expected {BUNDLE_FORMAT!r}")
-    if not isinstance(manifest.get("target"), str):
-        raise GlimmerError(f"{manifest_path}: field 'target' must name the target directory")
-    return manifest
+    return DraftModelDrafter(draft.model, draft_k=draft_k or 4, adaptive=draft_k is None, max_k=MAX_DRAFT_K)
 
 
 def load(
@@ -147,9 +140,11 @@ def load(
     `drafter=` beside a bundle replaces the bundle's drafter: a DFlash/assistant
     checkpoint, or any mlx-lm causal LM sharing the target's tokenizer (classic
     drafting, `draft_k` tokens per round; adaptive when not given).
-    `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10).
+    `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10). `draft_k` is at most
+    `settings.MAX_DRAFT_K` (16).
     `use_drafter=False` skips drafting (plain decoding only).
     """
+    check_draft_k(draft_k)
     check_fast_blas()
     paths = pair_paths(path, target, drafter, use_drafter)
     tgt, tokenizer = load_target(paths.target)
@@ -162,31 +157,3 @@ def load(
         d = load_drafter(drafter_path, tgt, tokenizer, draft_k=draft_k) if drafter_path is not None else None
     mx.eval(tgt.model.parameters())
     return Pair(tgt, d, tokenizer, paths.target, drafter_path)
-
-
-@dataclass
-class PairPaths:
-    target: Path
-    drafter: Path | None
-    bundle: bool  # the target is a mlx-glimmer bundle's
-
-
-def pair_paths(path, target, drafter, use_drafter: bool = True) -> PairPaths:
-    """Where the target and drafter of `load(path, target=, drafter=)` are (both backends)."""
-    bundle = False
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise GlimmerError(f"{path}: no such bundle or directory")
-        bundle = (path / "glimmer.json").is_file()
-        target_path = path
-        if bundle:
-            manifest = read_bundle_manifest(path)
-            target_path = path / manifest["target"]
-            if drafter is None and manifest.get("drafter"):
-                drafter = path / manifest["drafter"]
-    elif target is not None:
-        target_path = Path(target)
-    else:
-        raise GlimmerError("no model given: pass a bundle path or target=DIR")
-    return PairPaths(target_path, Path(drafter) if drafter is not None and use_drafter else None, bundle)

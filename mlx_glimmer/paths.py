@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "MLX_GLIMMER_CACHE"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # shipped with the package: prompt sets, the demo drafter
 
 
 def cache_dir() -> Path:

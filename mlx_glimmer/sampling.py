@@ -9,66 +9,32 @@ target's filtered distribution exactly.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import mlx.core as mx
 
-from .errors import GlimmerError
-
-
-class SamplingError(GlimmerError, ValueError):
-    """A sampling setting out of range. `field` names it as the API does; `rule` says what it must be,
-    so a command line or a chat command can name its own flag (`named`)."""
-
-    def __init__(self, field: str, rule: str, value):
-        self.field, self.rule, self.value = field, rule, value
-        super().__init__(self.named(field))
-
-    def named(self, name: str) -> str:
-        return f"{name} {self.rule}, got {self.value}"
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Temperature (0 = greedy), top-p and top-k; the one place they are checked (`SamplingError`)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if not (_number(self.temperature) and self.temperature >= 0):
-            raise SamplingError("temperature", "must be a number >= 0", self.temperature)
-        if not (_number(self.top_p) and 0 < self.top_p <= 1):
-            raise SamplingError("top_p", "must be in (0, 1]", self.top_p)
-        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
-            raise SamplingError("top_k", "must be a whole number >= 0", self.top_k)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+# Checked where every setting is (settings.py, free of MLX); imported from here by the engine and tests.
+from .settings import SamplingError, SamplingParams  # noqa: F401
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Filtered next-token distribution(s), float32, same shape as `logits` ([..., V])."""
+    """Filtered next-token distribution(s), float32, same shape as `logits` ([..., V]).
+
+    No full-vocabulary argsort: top-k's threshold is the k-th largest logit (`mx.partition`), and top-p keeps
+    every token at least as likely as the last one the descending running mass needs (found by sorting
+    values only: the k survivors of top-k when it is set, else the row). With distinct probabilities that
+    is exactly the sorted prefix `mass_before < top_p`; tokens tied with its last one are kept with it."""
     logits = logits.astype(mx.float32) / params.temperature
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = mx.sort(logits, axis=-1)[..., vocab - params.top_k][..., None]
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if top_k:
+        kth = mx.partition(logits, vocab - top_k, axis=-1)[..., vocab - top_k :][..., :1]
         logits = mx.where(logits < kth, -mx.inf, logits)
     probs = mx.softmax(logits, axis=-1)
     if params.top_p < 1.0:
-        order = mx.argsort(-probs, axis=-1)
-        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < params.top_p
-        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-        probs = mx.where(keep, probs, 0.0)
+        ranked = -mx.sort(-(mx.topk(probs, top_k, axis=-1) if top_k else probs), axis=-1)  # descending
+        mass_before = mx.cumsum(ranked, axis=-1) - ranked
+        needed = (mass_before < params.top_p).astype(mx.int32).sum(axis=-1, keepdims=True)  # >= 1
+        threshold = mx.take_along_axis(ranked, needed - 1, axis=-1)
+        probs = mx.where(probs >= threshold, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)
     return probs
 
@@ -89,39 +55,39 @@ def spread(probs: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
     return full
 
 
-def accept_greedy(draft: mx.array, target_logits: mx.array) -> tuple[int, int]:
-    """Exact-match acceptance. `draft` [n], `target_logits` [n + 1, V].
+def greedy_verdict(draft: mx.array, target_logits: mx.array) -> mx.array:
+    """Exact-match acceptance, lazily. `draft` [n], `target_logits` [n + 1, V].
 
-    Returns (accepted drafts, the target's own next token after them).
+    Returns int32 [accepted drafts, the target's own next token after them], not evaluated: the loop reads
+    it together with the draft in its one host read per round.
     """
-    choice = mx.argmax(target_logits, axis=-1)
+    choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)
     n = draft.shape[0]
     if n == 0:
-        return 0, int(choice[0].item())
-    match = (draft == choice[:n]).astype(mx.int32)
+        return mx.concatenate([mx.zeros((1,), dtype=mx.int32), choice[:1]])
+    match = (draft.astype(mx.int32) == choice[:n]).astype(mx.int32)
     accepted = mx.cumprod(match).sum()
-    both = mx.stack([accepted, choice[accepted]]).tolist()
-    return int(both[0]), int(both[1])
+    return mx.stack([accepted, choice[accepted]])
 
 
-def accept_sampled(
+def sampled_verdict(
     draft: mx.array,
     draft_probs: mx.array | None,
     target_probs: mx.array,
     key: mx.array,
-) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. / Chen et al.).
+) -> mx.array:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.), lazily.
 
     `draft` [n] tokens drawn from `draft_probs` [n, V] (None: drawn
     deterministically, i.e. one-hot); `target_probs` [n + 1, V]. Draft token i
     is kept with probability min(1, p_i(d) / q_i(d)); at the first rejection the
     replacement is drawn from max(0, p_i - q_i) renormalised; if all are kept
-    the extra token comes from p_n. Returns (accepted drafts, next token).
+    the extra token comes from p_n. Returns int32 [accepted drafts, next token], not evaluated.
     """
     n = draft.shape[0]
     k_accept, k_token = mx.random.split(key)
     if n == 0:
-        return 0, int(sample(target_probs[0], k_token).item())
+        return mx.stack([mx.array(0, dtype=mx.int32), sample(target_probs[0], k_token).astype(mx.int32)])
     rows = mx.arange(n)
     p = target_probs[rows, draft]
     if draft_probs is None:
@@ -140,5 +106,17 @@ def accept_sampled(
     # A residual of zero mass only arises when p == q exactly; then p itself is right.
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[accepted])
     token = sample(residual, k_token)
-    both = mx.stack([accepted, token]).tolist()
-    return int(both[0]), int(both[1])
+    return mx.stack([accepted, token.astype(mx.int32)])
+
+
+def accept_greedy(draft: mx.array, target_logits: mx.array) -> tuple[int, int]:
+    """`greedy_verdict`, read: (accepted drafts, the target's own next token after them)."""
+    accepted, token = greedy_verdict(draft, target_logits).tolist()
+    return int(accepted), int(token)
+
+
+def accept_sampled(draft: mx.array, draft_probs: mx.array | None, target_probs: mx.array,
+                   key: mx.array) -> tuple[int, int]:
+    """`sampled_verdict`, read: (accepted drafts, next token)."""
+    accepted, token = sampled_verdict(draft, draft_probs, target_probs, key).tolist()
+    return int(accepted), int(token)

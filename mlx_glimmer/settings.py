@@ -4,25 +4,72 @@
     mlx_glimmer.generate(pair, "Hello", settings)
 
 Everything is checked when the value is made (sampling by `SamplingParams`),
-so every caller accepts and refuses the same things.
+so every caller accepts and refuses the same things. This module imports no
+MLX: the command line checks its flags with it before anything heavy loads.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from .errors import GlimmerError
-from .sampling import SamplingParams
 
 AUTO = "auto"
+SEED_LIMIT = 2**63  # seeds are integers in [0, 2**63): what MLX's and torch's generators both take
+MAX_DRAFT_K = 16  # most tokens a draft model or prompt lookup proposes per round (`--draft-k`, `load(draft_k=)`)
+
+
+class SamplingError(GlimmerError, ValueError):
+    """A generation setting out of range. `field` names it as the API does; `rule` says what it must be,
+    so a command line or a chat command can name its own flag (`named`)."""
+
+    def __init__(self, field: str, rule: str, value):
+        self.field, self.rule, self.value = field, rule, value
+        super().__init__(self.named(field))
+
+    def named(self, name: str) -> str:
+        got = repr(self.value) if isinstance(self.value, str) else self.value
+        return f"{name} {self.rule}, got {got}"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature (0 = greedy), top-p and top-k; the one place they are checked (`SamplingError`): finite
+    numbers only (no NaN, no infinity), top-k a whole number."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not (_number(self.temperature) and self.temperature >= 0):
+            raise SamplingError("temperature", "must be a number >= 0", self.temperature)
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError("top_p", "must be in (0, 1]", self.top_p)
+        if not (_whole(self.top_k) and self.top_k >= 0):
+            raise SamplingError("top_k", "must be a whole number >= 0", self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """`sampling`: temperature (0 = greedy), top-p, top-k. `block_size`: the verify width (drafted tokens +
-    the anchor): "auto" chooses it every round from measured verify cost and live acceptance, up to the
-    drafter's block size (`block_policy.py`); an int fixes it. `speculative=False` decodes with the target
-    alone (the baseline). `seed` seeds sampling."""
+    """`sampling`: temperature (0 = greedy), top-p, top-k. `max_tokens`: at least 1. `block_size`: the verify
+    width (drafted tokens + the anchor): "auto" chooses it every round from measured verify cost and live
+    acceptance, up to the drafter's block size (`block_policy.py`); an int fixes it, and one wider than the
+    drafter can fill is capped at that. `speculative=False` decodes with the target alone (the baseline).
+    `seed` seeds sampling: an integer in [0, 2**63)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
@@ -34,14 +81,16 @@ class GenerationSettings:
         if self.block_size is None:
             object.__setattr__(self, "block_size", AUTO)
         b = self.block_size
-        if b != AUTO and (isinstance(b, bool) or not isinstance(b, int)):
-            raise GlimmerError(f"block_size must be 'auto' or an integer >= 1, got {b!r}")
-        if b != AUTO and b < 1:
-            raise GlimmerError(f"block_size must be >= 1, got {b}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise GlimmerError(f"max_tokens must be a whole number >= 0, got {self.max_tokens!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise GlimmerError(f"seed must be an integer, got {self.seed!r}")
+        if b != AUTO and not (_whole(b) and b >= 1):
+            raise SamplingError("block_size", "must be 'auto' or a whole number >= 1", b)
+        if not (_whole(self.max_tokens) and self.max_tokens >= 1):
+            raise SamplingError("max_tokens", "must be a whole number >= 1", self.max_tokens)
+        if not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise SamplingError("seed", "must be a whole number in [0, 2**63)", self.seed)
+        if not isinstance(self.speculative, bool):
+            raise SamplingError("speculative", "must be true or false", self.speculative)
+        if not isinstance(self.sampling, SamplingParams):
+            raise GlimmerError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
 
     @classmethod
     def of(cls, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, **rest) -> GenerationSettings:
@@ -59,3 +108,10 @@ class GenerationSettings:
     @property
     def auto(self) -> bool:
         return self.block_size == AUTO
+
+
+def check_draft_k(draft_k) -> None:
+    """`draft_k` (tokens a draft model or prompt lookup proposes per round): None (the drafter's default) or a
+    whole number in [1, MAX_DRAFT_K]. Bounded so the verify widths `auto` measures stay few."""
+    if draft_k is not None and not (_whole(draft_k) and 1 <= draft_k <= MAX_DRAFT_K):
+        raise SamplingError("draft_k", f"must be a whole number in [1, {MAX_DRAFT_K}]", draft_k)

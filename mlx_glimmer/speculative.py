@@ -6,6 +6,15 @@ target on one library: MLX's `target.Target`, torch's `TorchTarget`), a
 leaves text, stats and stopping on strings to its callers. With no drafter (or
 `block_size` 1) every round is a plain decoding step through the same
 sampler: that is the baseline.
+
+Host reads. Each round reads the device once (`TargetModel.read`): the
+acceptance verdict and the draft it judged, together. The draft stays on the
+device, `[anchor, drafts]` is concatenated there, and on a lazy library (MLX)
+the next round (draft and verify) is queued right after that read, before the
+round's bookkeeping is handed to the caller, so the host builds graphs while
+the device computes. Width-1 rounds (`--block-size auto` falling back to plain)
+are queued one ahead, as plain decoding does (`_plain_steps`). A round is
+timed as a whole, from one read to the next (`WidthPolicy.observe_round`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,16 @@ class Drafter(Protocol):
     def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Array, Array | None]: ...
     def rollback(self, n: int) -> bool: ...
 
+    # Optional (block drafters have them; the loop works without):
+    #   backlog: int        observed positions not yet projected into the drafter's context
+    #   settle() -> list    project them now; returns the arrays to evaluate (with the prefill, or launched
+    #                       during plain rounds), so no round's draft pays for a prompt's context
+
+
+def _settle(drafter) -> list:
+    settle = getattr(drafter, "settle", None)
+    return list(settle()) if settle is not None else []
+
 
 class SamplingOps(Protocol):
     """One array library's `sampling` module (`mlx_glimmer.sampling`, `torch_backend.sampling`)."""
@@ -49,8 +68,8 @@ class SamplingOps(Protocol):
     def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
     def argmax(self, logits: Array) -> Array: ...
     def sample(self, probs: Array, key: Any) -> Array: ...
-    def accept_greedy(self, draft: Array, target_logits: Array) -> tuple[int, int]: ...
-    def accept_sampled(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> tuple[int, int]: ...
+    def greedy_verdict(self, draft: Array, target_logits: Array) -> Array: ...  # [accepted, next token], lazy
+    def sampled_verdict(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> Array: ...
 
 
 class TargetModel(Protocol):
@@ -63,10 +82,17 @@ class TargetModel(Protocol):
     make_cache(reserve)              a KV cache that rolls back at least `reserve` tokens at any length
     trim(cache, n)                   forget the last n positions (n <= 0: nothing)
     split(key, n)                    (the next key, n keys to use now)
-    launch(array) / sync(...)        start computing / finish computing (the cache's contents too)
+    join(*ids)                       token arrays end to end, on the device
+    launch(*arrays) / sync(...)      start computing / finish computing (the cache's contents too)
+    read(*arrays)                    the one blocking host read of a round: integer entries, end to end
+    lazy                             True where work only runs when launched or read (MLX): the loop then
+                                     queues the next round before yielding this one
+    memory                           `memory.DeviceMemory`: clear_cache cadence (a no-op off Metal)
     """
 
     sampling: SamplingOps
+    lazy: bool
+    memory: Any
 
     def capture(self, layer_ids: Sequence[int]) -> None: ...
     def forward(self, tokens: Array, cache: Any, capture: bool) -> tuple[Array, Array | None]: ...
@@ -77,8 +103,10 @@ class TargetModel(Protocol):
     def tokens(self, ids: Sequence[int] | Array) -> Array: ...  # token ids as this library's array
     def new_key(self, seed: int) -> Any: ...
     def split(self, key: Any, n: int) -> tuple: ...
-    def launch(self, array: Array) -> None: ...
+    def join(self, *ids: Array) -> Array: ...
+    def launch(self, *arrays: Array | None) -> None: ...
     def sync(self, *arrays: Array | None, cache: Any = None) -> None: ...
+    def read(self, *arrays: Array | None) -> list[int]: ...
 
 
 def pick(target: TargetModel, logits: Array, params: SamplingParams, key) -> tuple[Array, Array | None]:
@@ -89,17 +117,21 @@ def pick(target: TargetModel, logits: Array, params: SamplingParams, key) -> tup
     return target.sampling.sample(probs, key), probs
 
 
-def _accept(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> tuple[int, int]:
+def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> Array:
+    """[accepted drafts, next token] on the device, not read yet."""
     ops = target.sampling
     if params.greedy:
-        return ops.accept_greedy(draft, logits)
-    return ops.accept_sampled(draft, draft_probs, ops.probabilities(logits, params), key)
+        return ops.greedy_verdict(draft, logits)
+    return ops.sampled_verdict(draft, draft_probs, ops.probabilities(logits, params), key)
 
 
 @dataclass
 class Step:
     tokens: list[int]  # committed by this target call, ending at a stop token if one came
     drafted: int = 0  # draft tokens offered to this verification
+    # Host seconds spent proposing and launching the draft; the rest of the round (from the previous host read
+    # to this one) is verify_s. The draft's device time runs in the same queued graph as the verify, so it
+    # lands in verify_s: timing them apart would cost a second blocking sync per round.
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_tokens: int = 0  # > 0 only on the prefill step
@@ -123,7 +155,7 @@ class DecodeState:
     reserve: int = 0
     reused_tokens: int = 0  # prompt tokens the last turn did not have to prefill
     target: TargetModel | None = None  # the target whose K/V `cache` holds
-    ahead: int = 0  # cache entries past `processed`: plain decoding's run-ahead forward, not yet undone
+    ahead: int = 0  # cache entries past `processed`: forwards of rounds queued ahead, not yet undone
     owner: object | None = None  # the generation currently writing to this state
 
 
@@ -176,6 +208,18 @@ def _resume(state: DecodeState, target: TargetModel, prompt: Sequence[int], draf
     return 0
 
 
+@dataclass
+class _Round:
+    """One target call queued on the device: what it verifies and what it will return (nothing read yet)."""
+
+    width: int  # tokens verified: the anchor and width - 1 drafts
+    draft: Array  # [width - 1] token ids
+    feats: Array | None  # captured target features [width, k*H]
+    verdict: Array  # [accepted drafts, next token]
+    draft_s: float  # host seconds spent proposing and launching the draft
+    timed: bool  # its time can feed the width policy (the draft did not project a long backlog)
+
+
 def generate_steps(
     target: TargetModel,
     prompt: Sequence[int],
@@ -209,67 +253,139 @@ def generate_steps(
     state.reused_tokens = done
     cache = state.cache
     key = target.new_key(seed)
+    memory = target.memory
 
-    # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only.
+    # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only. The
+    # drafter's context of each chunk is computed with it (`settle`), so the prompt's features are not kept
+    # and round 1's draft does not pay for them.
     tic = time.perf_counter()
     todo = prompt[done:]
     todo_arr = target.tokens(todo)
     for start in range(0, len(todo), prefill_step):
         chunk = todo[start : start + prefill_step]
         hidden, feats = target.forward(todo_arr[start : start + prefill_step], cache, capture)
+        context = []
         if drafter is not None:
             drafter.observe(chunk, feats)
+            context = _settle(drafter)
         state.processed.extend(chunk)
         if start + prefill_step < len(todo):
-            target.sync(feats, cache=cache)
+            target.sync(feats, *context, cache=cache)
+            memory.clear()
+        else:
+            target.launch(*context)  # queued before the first token's logits: done when they are read
     key, sub = target.split(key, 1)
-    _, first = _accept(target, target.head(hidden[-1:]), target.tokens([]), None, params, sub)
+    first = target.read(_verdict(target, target.head(hidden[-1:]), target.tokens([]), None, params, sub))[1]
+    memory.clear()
     step = Step([first], prefill_tokens=len(todo), verify_s=time.perf_counter() - tic, stopped=first in stop)
     yield step
-    generated = 1
-    anchor = first
-    if step.stopped:
+    if step.stopped or max_tokens == 1:
         return
     if drafter is None:
-        yield from _plain_steps(target, state, owner, anchor, params, key, max_tokens - generated, stop)
+        yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop)
         return
+    yield from _speculative_steps(target, state, owner, drafter, first, params, key, max_tokens, block_size, stop,
+                                  capture, policy)
 
-    while generated < max_tokens:
-        context = len(state.processed) + 1
-        b = min(policy.choose(context) if policy is not None else block_size, max_tokens - generated)
-        key, k_draft, k_accept = target.split(key, 2)
+
+def _speculative_steps(target: TargetModel, state: DecodeState, owner, drafter: Drafter, anchor: int, params, key,
+                       max_tokens: int, block_size: int, stop: set, capture: bool,
+                       policy: WidthPolicy | None) -> Iterator[Step]:
+    """The rounds after the first token: one host read each, the next round queued before the caller sees
+    this one (on a lazy library), width-1 rounds queued one ahead. `state.ahead` counts the cache entries of
+    queued rounds, undone when this generator is closed (or by the next generation on the state)."""
+    cache = state.cache
+    generated = 1
+
+    def width_for(context: int, committed: int) -> int:
+        return min(policy.choose(context) if policy is not None else block_size, max_tokens - committed)
+
+    def launch(anchor: int | None, anchor_ids: Array, width: int) -> _Round:
+        """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict."""
+        nonlocal key
+        k_draft = k_accept = None  # greedy rounds draw nothing
+        if not params.greedy:
+            key, k_draft, k_accept = target.split(key, 2)
         tic = time.perf_counter()
-        draft, draft_probs = target.tokens([]), None
-        if b > 1:
+        draft, draft_probs, timed = target.tokens([]), None, True
+        inputs = anchor_ids
+        if width > 1:
+            # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
+            # this round's time unrepresentative: the policy then learns only its acceptance.
+            timed = getattr(drafter, "backlog", 0) <= block_size
             # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-            draft, draft_probs = drafter.propose(anchor, b - 1, params, k_draft)
+            draft, draft_probs = drafter.propose(anchor, width - 1, params, k_draft)
             draft = target.tokens(draft)
-            target.sync(draft, draft_probs)
-            b = draft.shape[0] + 1
-        toc = time.perf_counter()
-        drafted = draft.tolist()
-        hidden, feats = target.forward(target.tokens([anchor] + drafted), cache, capture)
-        n, nxt = _accept(target, target.head(hidden), draft, draft_probs, params, k_accept)
-        committed = drafted[:n] + [nxt]
-        stopped = False
-        for i, t in enumerate(committed):
-            if t in stop:
-                committed, stopped = committed[: i + 1], True
-                break
-        # The target has processed [anchor] + committed[:-1]; everything after is rolled back.
-        m = len(committed)
-        target.trim(cache, b - m)
-        processed = [anchor] + committed[:-1]
-        drafter.observe(processed, feats[:m] if feats is not None else None)
-        state.processed.extend(processed)
-        verify_s = time.perf_counter() - toc
-        if policy is not None:
-            policy.observe(b, n, context, toc - tic, verify_s)
-        generated += m
-        anchor = committed[-1]
-        yield Step(committed, drafted=b - 1, draft_s=toc - tic, verify_s=verify_s, stopped=stopped)
-        if stopped:
-            return
+            target.launch(draft, draft_probs)
+            inputs = target.join(anchor_ids, draft)
+        draft_s = time.perf_counter() - tic
+        hidden, feats = target.forward(inputs, cache, capture)
+        verdict = _verdict(target, target.head(hidden), draft, draft_probs, params, k_accept)
+        target.launch(verdict)
+        return _Round(draft.shape[0] + 1, draft, feats, verdict, draft_s, timed)
+
+    queued: _Round | None = None  # the next round, already on the device
+    planned: int | None = None  # the next round's width, chosen before this round was read
+    last_read = time.perf_counter()
+    try:
+        while generated < max_tokens:
+            context = len(state.processed) + 1  # positions the current round's anchor sits after, plus one
+            if queued is None:
+                width = planned if planned is not None else width_for(context, generated)
+                planned = None
+                queued = launch(anchor, target.tokens([anchor]), width)
+                state.ahead = queued.width
+            rnd, queued = queued, None
+            if rnd.width == 1 and generated + 1 < max_tokens:
+                # Plain round: choose the next width now; if it is plain too, queue its forward on this
+                # round's (unread) token before reading, as `_plain_steps` does.
+                planned = width_for(context + 1, generated + 1)
+                if planned == 1:
+                    planned = None
+                    queued = launch(None, rnd.verdict[1:], 1)
+                    state.ahead += 1
+            values = target.read(rnd.verdict, rnd.draft)
+            now = time.perf_counter()
+            accepted, nxt = values[0], values[1]
+            committed = values[2 : 2 + accepted] + [nxt]
+            stopped = False
+            for i, t in enumerate(committed):
+                if t in stop:
+                    committed, stopped = committed[: i + 1], True
+                    break
+            # The target processed [anchor] + drafts; everything after [anchor] + committed[:-1] is rolled back.
+            m = len(committed)
+            if rnd.width > m:  # never with a round queued behind this one: that only follows width 1
+                target.trim(cache, rnd.width - m)
+            processed = [anchor] + committed[:-1]
+            drafter.observe(processed, rnd.feats[:m] if rnd.feats is not None else None)
+            state.processed.extend(processed)
+            state.ahead = queued.width if queued is not None else 0
+            if policy is not None:
+                policy.observe_round(rnd.width, accepted, context, now - last_read, rnd.timed)
+            round_s, last_read = now - last_read, now
+            target.memory.tick(generated, generated + m)
+            generated += m
+            anchor = committed[-1]
+            if not stopped and generated < max_tokens and queued is None and target.lazy:
+                # Queue the next round before handing this one over. Only where work is lazy: torch computes a
+                # draft the moment it is asked for, and its drafter could then no longer roll this round back.
+                width = planned if planned is not None else width_for(len(state.processed) + 1, generated)
+                planned = None
+                queued = launch(anchor, target.tokens([anchor]), width)
+                state.ahead = queued.width
+            if (queued is None or queued.width == 1) and getattr(drafter, "backlog", 0) >= block_size:
+                target.launch(*_settle(drafter))  # plain rounds: project their context in batches, off the read
+            yield Step(committed, drafted=rnd.width - 1, draft_s=rnd.draft_s, verify_s=max(round_s - rnd.draft_s, 0.0),
+                       stopped=stopped)
+            if stopped:
+                return
+    finally:
+        if state.owner is owner and state.ahead:  # queued rounds' forwards ran ahead: undo them
+            if queued is not None:
+                target.sync(queued.verdict)
+            target.trim(cache, state.ahead)
+            state.ahead = 0
 
 
 def _next_token(target: TargetModel, cache, token: Array, params: SamplingParams, key) -> Array:
@@ -291,7 +407,9 @@ def _plain_steps(target: TargetModel, state: DecodeState, owner, anchor: int, pa
     """
     cache = state.cache
     tic = time.perf_counter()
-    key, sub = target.split(key, 1)
+    sub = None
+    if not params.greedy:
+        key, sub = target.split(key, 1)
     nxt = _next_token(target, cache, target.tokens([anchor]), params, sub)
     state.processed.append(anchor)
     target.launch(nxt)
@@ -299,14 +417,16 @@ def _plain_steps(target: TargetModel, state: DecodeState, owner, anchor: int, pa
         for i in range(budget):
             ahead = None
             if i + 1 < budget:
-                key, sub = target.split(key, 1)
+                if not params.greedy:
+                    key, sub = target.split(key, 1)
                 ahead = _next_token(target, cache, nxt, params, sub)
                 target.launch(ahead)
-            token = int(nxt.item())
+            token = target.read(nxt)[0]
             if ahead is not None:
                 state.ahead = 1  # `token` is in the cache, not yet committed to `processed`
             now = time.perf_counter()
             stopped = token in stop
+            target.memory.tick(i, i + 1)
             yield Step([token], verify_s=now - tic, stopped=stopped)
             tic = now
             if stopped:

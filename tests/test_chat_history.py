@@ -342,9 +342,8 @@ def started(monkeypatch, tmp_path):
     return apps
 
 
-def test_chat_takes_a_first_message_a_bundle_or_both(started, tmp_path):
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
+def test_chat_takes_a_first_message_a_bundle_or_both(started, checkpoints):
+    bundle = checkpoints["llama"]  # a model directory: a path that is none is refused before the app starts
     assert main(["chat", "What is MLX?"]) == 0
     assert main(["chat", str(bundle)]) == 0
     assert main(["chat", str(bundle), "--temp", "0.5", "hello"]) == 0  # a message may follow the flags

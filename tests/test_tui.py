@@ -578,10 +578,11 @@ def test_chat_flag_errors_print_one_line_before_the_app_starts(capsys, args, nee
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
-def test_chat_flags_become_the_app_settings(monkeypatch):
+def test_chat_flags_become_the_app_settings(monkeypatch, checkpoints):
     started = []
     monkeypatch.setattr(ChatApp, "run", lambda app: started.append(app))
-    args = ["chat", "some/bundle", "--temp", "0.7", "--top-p", "0.9", "--top-k", "40", "--seed", "3",
+    bundle = str(checkpoints["llama"])  # a model directory: a path that is none is refused before the app starts
+    args = ["chat", bundle, "--temp", "0.7", "--top-p", "0.9", "--top-k", "40", "--seed", "3",
             "--block-size", "6", "--max-tokens", "99", "--system", "Be brief.", "--no-spec", "--reasoning", "low"]
     assert main(args) == 0
     (app,) = started
@@ -589,4 +590,4 @@ def test_chat_flags_become_the_app_settings(monkeypatch):
         max_tokens=99, temperature=0.7, top_p=0.9, top_k=40, seed=3, block_size=6,
         speculative=False, system="Be brief.", reasoning="low",
     )
-    assert app.source == "some/bundle"
+    assert app.source == bundle

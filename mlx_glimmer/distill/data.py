@@ -25,7 +25,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from ..errors import GlimmerError
+from ..paths import DATA_DIR  # noqa: F401  (re-exported)
 
 
 class Answerer(Protocol):
@@ -34,10 +35,20 @@ class Answerer(Protocol):
 
 
 def load_prompts(path: Path) -> list[str]:
+    """The prompts of a JSONL file: one {"prompt": ...} object (or a bare string) a line."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise GlimmerError(f"{path}: cannot read it as a text file ({getattr(e, 'strerror', None) or e})") from None
+    for n, line in enumerate(lines, 1):
         if line.strip():
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GlimmerError(f"{path}: line {n} is not valid JSON ({e})") from None
+            if isinstance(item, dict) and not isinstance(item.get("prompt"), str):
+                raise GlimmerError(f"{path}: line {n} has no 'prompt' string")
             out.append(item["prompt"] if isinstance(item, dict) else str(item))
     return out
 

@@ -4,12 +4,14 @@ OUT/data/responses.jsonl    the target's answers (one tag per temperature), appe
 OUT/checkpoint/             latest weights + optimizer + step (resume point)
 OUT/stepNNNNNN/             weights at each evaluation
 OUT/drafter/                the best checkpoint by held-out acceptance, float16, ready for a bundle
+                            (never one with non-finite weights or no layers)
 OUT/log.json                data size, settings, evaluation history, the command line
+
+The flags and their checks are in cli.py; OUT is made only once they all pass.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -19,8 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import GlimmerError
+from ..paths import DATA_DIR
+from .cli import check_against_target, check_distill_flags, pick_backend, temperatures
 from .data import (
-    DATA_DIR,
     Answerer,
     MLXAnswerer,
     TorchAnswerer,
@@ -34,79 +37,6 @@ from .evaluate import heldout_acceptance
 from .prompts import FOLLOW_UPS, build_prompt_set
 from .step import TrainConfig
 from .train import Trainer
-
-
-def add_distill_parser(sub) -> None:
-    d = TrainConfig()  # the recipe's defaults, shown in the help as they are
-    p = sub.add_parser(
-        "distill",
-        help="train a DFlash drafter for a target on its own answers",
-        description=(
-            "Train a DFlash (muse_glimmer_assistant architecture) drafter for any target: generate the target's "
-            "answers to a prompt set (cached), train on them, keep the checkpoint with the best held-out "
-            "acceptance, export it to OUT/drafter. Re-running the same command resumes."
-        ),
-    )
-    p.add_argument("target", nargs="?", help="bundle or model directory (default: the embedded demo pair's target)")
-    p.add_argument("--out", required=True, help="run directory (data, checkpoints, exported drafter)")
-    p.add_argument(
-        "--prompts", default=str(DATA_DIR / "prompts_train.jsonl"),
-        help="training prompts (JSONL with 'prompt'), or 'synth': the shipped prompts plus templated families plus "
-        "--self-instruct target-written ones, minus anything overlapping the held-out set",
-    )
-    p.add_argument("--self-instruct", type=int, default=0, help="with --prompts synth: N instructions written by the target itself")
-    p.add_argument("--follow-ups", type=int, default=0, help="N second-turn conversations built on greedy answers (default 0)")
-    p.add_argument("--generator", choices=["auto", "mlx", "torch"], default="auto",
-                   help="batched answer generator: mlx-lm batch_generate or transformers generate (auto: torch on Linux "
-                        "when installed, mlx elsewhere)")
-    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="torch generator precision (default float32, the target's exactly; bfloat16 is ~3.4x faster on "
-                        "CPUs with AVX-512 bf16/AMX and gives answers that drift from float32 greedy after ~30 tokens)")
-    p.add_argument("--gen-threads", type=int, default=None, help="CPU threads for the torch generator (default: all)")
-    p.add_argument("--heldout", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="held-out prompts for selection")
-    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
-    p.add_argument("--temperatures", default="0", help="comma-separated answer temperatures; one pass each (default 0)")
-    p.add_argument("--answer-tokens", type=int, default=160, help="max tokens per answer (default 160)")
-    p.add_argument("--batch-size", type=int, default=32, help="answers generated per batch (default 32)")
-    p.add_argument("--layers", type=int, default=d.layers, help=f"drafter layers (default {d.layers})")
-    p.add_argument("--context-layers", type=int, default=d.context_layers,
-                   help=f"target layers feeding the drafter (default {d.context_layers})")
-    p.add_argument("--steps", type=int, default=d.steps,
-                   help=f"optimiser steps, --sequences-per-step answers each (default {d.steps})")
-    p.add_argument("--anchors", type=int, default=d.anchors, help=f"blocks per answer per step (default {d.anchors})")
-    p.add_argument("--sequences-per-step", type=int, default=d.sequences_per_step,
-                   help=f"answers per optimiser step (default {d.sequences_per_step})")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft vocabulary: the N tokens the target emits most (default: every emitted token)")
-    p.add_argument("--init", default="random",
-                   help="warm start: random (default), target (copy the target's last layers), or a drafter directory "
-                        "to fine-tune (one with fewer layers than --layers grows by identity layers)")
-    p.add_argument("--train-backend", choices=["auto", "mlx", "torch"], default="auto",
-                   help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
-                        "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
-                        "Linux when installed, mlx elsewhere")
-    p.add_argument("--no-compile", action="store_true",
-                   help="torch backend: skip torch.compile (it compiles once per padded context width before the first step, minutes, and then ~halves step time)")
-    p.add_argument("--lr", type=float, default=d.learning_rate, help=f"peak learning rate (default {d.learning_rate:g})")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help=f"steps between held-out evaluations (default {d.eval_every})")
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per evaluation (default 16)")
-    p.add_argument("--eval-tokens", type=int, default=96, help="tokens per held-out prompt (default 96)")
-    p.add_argument("--mask-token", type=int, default=None, help="mask token id (default: an unused special token)")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
-    p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
-    p.add_argument("--train-only", action="store_true",
-                   help="generate nothing: train on the answers already in OUT/data (for example while a partial "
-                        "data set is all the time allows); the prompt list must already be there")
-
-
-def pick_backend(kind: str, flag: str) -> str:
-    """auto: torch on Linux when installed (fastest on a CPU here), mlx elsewhere."""
-    if kind == "auto":
-        return "torch" if sys.platform == "linux" and importlib.util.find_spec("torch") else "mlx"
-    if kind == "torch" and importlib.util.find_spec("torch") is None:
-        raise GlimmerError(f"{flag} torch: torch is not installed (pip install torch)")
-    return kind
 
 
 def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
@@ -161,29 +91,19 @@ def pick_mask_token(tokenizer) -> int:
 
 
 def cmd_distill(args, open_pair) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # Nothing is written before every flag checks out: first what needs no target, then what needs its size.
+    check_distill_flags(args)
+    temps = temperatures(args)
+    heldout = load_prompts(Path(args.heldout))
+    if args.prompts != "synth":
+        load_prompts(Path(args.prompts))  # a malformed file is one error line now, not after the target loads
     pair = open_pair(args.target, None, use_drafter=False)
     target, tok = pair.target, pair.tokenizer
-    for name in ([args.prompts] if args.prompts != "synth" else []) + [args.heldout]:
-        if not Path(name).is_file():
-            raise GlimmerError(f"{name}: prompt file not found")
-    heldout = load_prompts(Path(args.heldout))
-    try:
-        temps = [float(t) for t in args.temperatures.split(",")]
-    except ValueError:
-        raise GlimmerError(f"--temperatures: {args.temperatures!r} is not a comma-separated list of numbers") from None
-
-    if args.data_only and args.train_only:
-        raise GlimmerError("--data-only and --train-only exclude each other")
+    check_against_target(args, target.vocab_size, target.num_layers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     data = out / "data" / "responses.jsonl"
-    if args.train_only:
-        for needed in [data] + ([out / "data" / "prompts.jsonl"] if args.prompts == "synth" else []):
-            if not needed.is_file():
-                raise GlimmerError(f"--train-only: {needed} does not exist (generate answers first)")
-        answer = None
-    else:
-        answer = make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
+    answer = None if args.train_only else make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
     train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
     tags = []
     for i, t in enumerate(temps):
@@ -247,18 +167,46 @@ def cmd_distill(args, open_pair) -> int:
         return report.mean
 
     trainer.train(evaluate=evaluate)
-    best = max(log["evaluations"], key=lambda e: e["mean_acceptance"])
-    export(out / f"step{best['step']:06d}", out / "drafter")
+    best = export_best(log["evaluations"], out)
     log["exported"] = best
     log_path.write_text(json.dumps(log, indent=2))
     print(f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {out / 'drafter'}", file=sys.stderr)
     return 0
 
 
+def export_best(evaluations: list[dict], out: Path) -> dict:
+    """Export the evaluated checkpoint with the best held-out acceptance whose weights are usable (finite, a
+    non-empty stack of layers) to OUT/drafter; returns its evaluation. None usable: a `GlimmerError`."""
+    refused = []
+    for e in sorted(evaluations, key=lambda e: -e["mean_acceptance"]):
+        try:
+            export(out / f"step{e['step']:06d}", out / "drafter")
+        except UnusableDrafter as why:
+            refused.append(f"step {e['step']}: {why}")
+            continue
+        return e
+    raise GlimmerError(f"distill: no checkpoint can be exported ({'; '.join(refused) or 'none was evaluated'}); "
+                       "try a lower --lr")
+
+
+class UnusableDrafter(GlimmerError):
+    """A checkpoint that must not become a drafter: non-finite weights, or no layers."""
+
+
+def check_drafter_weights(weights: dict[str, mx.array]) -> None:
+    if not any(k.startswith("layers.") for k in weights):
+        raise UnusableDrafter("the drafter has no layers")
+    bad = [k for k, v in weights.items() if k != "draft_vocab" and not mx.all(mx.isfinite(v)).item()]
+    if bad:
+        raise UnusableDrafter(f"non-finite weights (NaN or infinity) in {len(bad)} tensors, e.g. {bad[0]}")
+
+
 def export(checkpoint: Path, dest: Path) -> None:
-    """Weights as float16 (the vocabulary map stays int32) plus config: a drafter directory."""
+    """Weights as float16 (the vocabulary map stays int32) plus config: a drafter directory. Refuses
+    (`UnusableDrafter`) weights that are not finite, also once in float16, and an empty stack of layers."""
     weights = mx.load(str(checkpoint / "model.safetensors"))
     weights = {k: (v if k == "draft_vocab" else v.astype(mx.float16)) for k, v in weights.items()}
+    check_drafter_weights(weights)
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the CLI reads TrainConfig's defaults without importing numpy
+    import numpy as np
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import GlimmerError
@@ -181,6 +182,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self._masks: dict[tuple[int, int], mx.array] = {}  # (position - first_pos, length) -> mask
+
+    def cached_mask(self, position: int, length: int, first_pos: int) -> mx.array | None:
+        """`mask`, built once per shape: it depends on the positions only through position - first_pos, which
+        cycles through a few values once a sliding layer's context is full, so rounds reuse it."""
+        key = (position - first_pos, length)
+        if key not in self._masks:
+            if len(self._masks) >= 256:
+                self._masks.clear()
+            self._masks[key] = self.mask(position, length, first_pos)
+        return self._masks[key]
 
     def project_kv(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
@@ -209,7 +221,7 @@ class Attention(nn.Module):
             values = mx.concatenate([v_ctx, v_blk], axis=2)
         else:
             keys, values, first_pos = k_blk, v_blk, position
-        mask = self.mask(position, L, first_pos)
+        mask = self.cached_mask(position, L, first_pos)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -242,41 +254,62 @@ class DecoderLayer(nn.Module):
 
 
 class ContextCache:
-    """Per-layer K/V of committed context positions, newest last, bounded by the window."""
+    """Per-layer K/V of committed context positions, newest last, bounded by the window (`keep`).
+
+    Preallocated like mlx-lm's KV caches: entries are written into a buffer that grows `step` positions at a
+    time, and a bounded cache drops its oldest entries in the same copy, so a round costs two slice writes,
+    not a concatenation of the whole context (unbounded on full-attention layers)."""
+
+    step = 256
 
     def __init__(self, keep: int | None):
         self.keep = keep
-        self.keys = None
+        self.keys = None  # buffers [B, H, capacity, D]; entries start..end are the context
         self.values = None
-        self.first_pos = 0
-        self.next_pos = 0
+        self.start = 0
+        self.end = 0
+        self.first_pos = 0  # absolute position of entry `start`
+        self.next_pos = 0  # absolute position of the next entry
 
     def append(self, k: mx.array, v: mx.array) -> None:
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = mx.concatenate([self.keys, k], axis=2)
-            self.values = mx.concatenate([self.values, v], axis=2)
-        self.next_pos += k.shape[2]
-        if self.keep is not None and self.keys.shape[2] > self.keep:
-            drop = self.keys.shape[2] - self.keep
-            self.keys = self.keys[..., drop:, :]
-            self.values = self.values[..., drop:, :]
+        n = k.shape[2]
+        if self.keys is None or self.end + n > self.keys.shape[2]:
+            stored = self.end - self.start
+            kept = stored if self.keep is None else min(stored, max(self.keep - n, 0))
+            drop = stored - kept
+            B, H, _, D = k.shape
+            capacity = kept + n + self.step
+            keys = mx.zeros((B, H, capacity, D), dtype=k.dtype)
+            values = mx.zeros((B, H, capacity, v.shape[3]), dtype=v.dtype)
+            if kept:
+                keys[..., :kept, :] = self.keys[..., self.start + drop : self.end, :]
+                values[..., :kept, :] = self.values[..., self.start + drop : self.end, :]
+            self.keys, self.values = keys, values
+            self.start, self.end = 0, kept
+            self.first_pos += drop
+        self.keys[..., self.end : self.end + n, :] = k
+        self.values[..., self.end : self.end + n, :] = v
+        self.end += n
+        self.next_pos += n
+        if self.keep is not None and self.end - self.start > self.keep:
+            drop = self.end - self.start - self.keep
+            self.start += drop
             self.first_pos += drop
 
     def fetch(self):
-        return self.keys, self.values, self.first_pos
+        if self.keys is None:
+            return None, None, self.first_pos
+        return self.keys[..., self.start : self.end, :], self.values[..., self.start : self.end, :], self.first_pos
 
     def can_trim(self, n: int, reach: int | None) -> bool:
-        stored = 0 if self.keys is None else self.keys.shape[2]
+        stored = self.end - self.start
         if n > stored:
             return False
         return self.first_pos == 0 or reach is None or self.first_pos <= self.next_pos - n - reach
 
     def trim(self, n: int) -> None:
         if n:
-            self.keys = self.keys[..., :-n, :]
-            self.values = self.values[..., :-n, :]
+            self.end -= n
             self.next_pos -= n
 
 
@@ -317,15 +350,31 @@ class BlockContext:
 # ---- the bound drafter -----------------------------------------------------------------------------------
 
 
+def bind_dtype(model: nn.Module, dtype) -> None:
+    """Cast the drafter's floating-point weights (quantization scales and biases included) to the target's
+    activation dtype: its inputs are the target's embedding rows and features, and MLX promotes mixed
+    half-precision matmuls (bfloat16 @ float16) to float32, so a float16 drafter beside a bfloat16 target
+    would up-cast every weight on every call and draft in float32."""
+    if dtype is None or not mx.issubdtype(dtype, mx.floating):
+        return
+    floats = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    if any(v.dtype != dtype for v in floats):
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+
+
 class BlockDrafter:
     """A block drafter model bound to its target: proposes a block from the committed context.
 
     Target features are collected as they come (`observe`) and projected into the context K/V in one
-    batch before the next block (or every 512 positions); `rollback` forgets the newest positions."""
+    batch before the next block, every 512 positions, or when the loop asks (`settle`: with each prefill
+    chunk, and every block's worth of plain rounds); `rollback` forgets the newest positions. The weights
+    are cast to the target's activation dtype on binding (`bind_dtype`)."""
 
     kind = "block"
 
     def __init__(self, model, target):
+        bind_dtype(model, getattr(target, "activation_dtype", None))
         self._bind(model, model.config, target, model.get("draft_vocab"))
         self.context: list[ContextCache] = []
         self._pending: list[mx.array] = []
@@ -361,6 +410,17 @@ class BlockDrafter:
         self._pending_len += features.shape[0]
         if self._pending_len >= 512:
             self._flush()
+
+    @property
+    def backlog(self) -> int:
+        """Observed positions not yet projected into the context."""
+        return self._pending_len
+
+    def settle(self) -> list[mx.array]:
+        """Project the backlog into the context now; the context's arrays, for the caller to evaluate (the
+        loop evaluates them with each prefill chunk, so the prompt's features are released at once)."""
+        self._flush()
+        return [a for c in self.context for a in c.fetch()[:2] if a is not None]
 
     def _flush(self) -> None:
         if not self._pending:

@@ -9,6 +9,11 @@ that were rejected), then drafts.
 (`num_assistant_tokens_schedule="heuristic"`): +2 after a round where every
 draft was kept, -1 (not below 1) after a rejection. It grows when the draft
 model agrees, which is when long drafts pay, and backs off quickly otherwise.
+
+Drafting never reads the device: each drafted token feeds the next step as an
+array, and the ids fed to the cache are learnt from what the target accepts
+(an accepted draft is the drafted token), so the loop's one read per round
+covers the draft too.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from ..cache import make_rollback_cache, trim_cache
 from ..errors import GlimmerError
 from ..sampling import probabilities, sample
 from ..speculative import common_prefix
+
+UNREAD = -1  # a drafted token in the draft model's cache whose id is not known yet (never equals a token id)
 
 
 class DraftModelDrafter:
@@ -36,12 +43,14 @@ class DraftModelDrafter:
         self.cached: list[int] = []
         self.cache = None
         self._last_proposed = 0
+        self._unread = 0  # the last entries of `cached`: drafted tokens whose ids were not read (UNREAD)
 
     def reset(self) -> None:
         self.history, self.cached = [], []
         self.cache = make_rollback_cache(self.model, reserve=self.max_k + 64)
         self.k = self.draft_k
         self._last_proposed = 0
+        self._unread = 0
 
     def observe(self, tokens, features) -> None:
         if self._last_proposed and self.adaptive:
@@ -52,10 +61,23 @@ class DraftModelDrafter:
                 self.k = max(1, self.k - 1)
             self._last_proposed = 0
         self.history.extend(tokens)
+        self._learn_drafted()
+
+    def _learn_drafted(self) -> None:
+        """The target kept a prefix of the last drafts: those cache entries hold the history's tokens. The
+        rest never match anything again (a rejected draft differs from what the target chose there)."""
+        if not self._unread:
+            return
+        first = len(self.cached) - self._unread
+        for i in range(first, len(self.cached)):
+            self.cached[i] = self.history[i] if i < len(self.history) else UNREAD
+        self._unread = 0
 
     def rollback(self, n: int) -> bool:
         if n:
             del self.history[-n:]
+        self._unread = 0  # the drafts' entries, if any, stay UNREAD: rolled-back history says nothing of them
+        self._last_proposed = 0
         return True
 
     def _catch_up(self, tokens: list[int]) -> mx.array:
@@ -76,7 +98,7 @@ class DraftModelDrafter:
         count = min(count, self.k) if self.adaptive else min(count, self.draft_k)
         logits = self._catch_up(self.history + [anchor])
         tokens, rows = [], []
-        keys = mx.random.split(key, max(count, 1))
+        keys = None if params.greedy else mx.random.split(key, max(count, 1))
         for i in range(count):
             if params.greedy:
                 t = mx.argmax(logits)
@@ -87,7 +109,8 @@ class DraftModelDrafter:
             tokens.append(t)
             if i + 1 < count:
                 logits = self.model(t.reshape(1, 1).astype(mx.uint32), cache=self.cache)[0, -1]
-                self.cached.append(int(t.item()))
+                self.cached.append(UNREAD)
+                self._unread += 1
         self._last_proposed = count
         draft = mx.stack(tokens) if tokens else mx.array([], dtype=mx.uint32)
         return draft, (mx.stack(rows) if rows else None)

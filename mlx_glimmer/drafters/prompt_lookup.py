@@ -4,6 +4,10 @@ Useful when the answer copies its input (summaries, rewrites, code edits).
 The longest n-gram (from `max_ngram` down to `min_ngram`) ending at the
 anchor that occurred earlier in prompt + output is looked up; the most recent
 earlier occurrence wins, and the tokens after it are proposed.
+
+An index from every n-gram of the history to where it starts (newest last) is
+kept as tokens are observed and rolled back, so a lookup costs one dictionary
+probe per n-gram length instead of a scan of the whole history.
 """
 
 from __future__ import annotations
@@ -21,19 +25,33 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.history: list[int] = []
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where it starts in history, ascending
 
     def reset(self) -> None:
         self.history = []
+        self._starts = {}
 
     def observe(self, tokens, features) -> None:
-        self.history.extend(tokens)
+        for t in tokens:
+            self.history.append(int(t))
+            end = len(self.history)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._starts.setdefault(tuple(self.history[end - n :]), []).append(end - n)
 
     def rollback(self, n: int) -> bool:
-        if n:
-            del self.history[-n:]
+        for _ in range(min(n, len(self.history))):
+            end = len(self.history)
+            for m in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                gram = tuple(self.history[end - m :])
+                starts = self._starts[gram]
+                starts.pop()
+                if not starts:
+                    del self._starts[gram]
+            self.history.pop()
         return True
 
     def lookup(self, seq: list[int], count: int) -> list[int]:
+        """The reference rule, by scanning `seq` (the history plus the anchor): what `propose` answers."""
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
@@ -41,6 +59,21 @@ class PromptLookupDrafter:
                     return seq[start + n : start + n + count]
         return []
 
+    def indexed_lookup(self, anchor: int, count: int) -> list[int]:
+        """`lookup(history + [anchor], count)` from the index: an earlier occurrence of the tail lies wholly
+        in the history, and the newest one wins."""
+        history = self.history
+        size = len(history)
+        for n in range(min(self.max_ngram, size), self.min_ngram - 1, -1):
+            starts = self._starts.get(tuple(history[size - n + 1 :]) + (anchor,))
+            if starts:
+                start = starts[-1] + n
+                found = history[start : start + count]
+                if len(found) < count and start + len(found) == size:
+                    found.append(anchor)
+                return found
+        return []
+
     def propose(self, anchor, count, params, key):
-        found = self.lookup(self.history + [anchor], min(count, self.draft_k))
+        found = self.indexed_lookup(int(anchor), min(count, self.draft_k))
         return mx.array(found, dtype=mx.uint32), None

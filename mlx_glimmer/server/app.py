@@ -84,6 +84,9 @@ def max_body_bytes(server: ServerState) -> int:
 
 
 async def read_json(request: Request):
+    kind = request.headers.get("content-type", "")
+    if not json_content_type(kind):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {kind!r}")
     limit = max_body_bytes(request.app.state.server)
     too_large = APIError(413, f"the request body is larger than this server accepts ({limit} bytes)")
     length = request.headers.get("content-length", "")
@@ -98,6 +101,15 @@ async def read_json(request: Request):
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"could not parse the JSON body: {e}") from None
+    except RecursionError:  # thousands of nested `[`: deeper than any request (check_json refuses past 64)
+        raise APIError(400, "could not parse the JSON body: it nests too deeply") from None
+
+
+def json_content_type(value: str) -> bool:
+    """No Content-Type, or a JSON one (`application/json`, `application/*+json`): a form or a file upload is not a
+    JSON body."""
+    kind = value.split(";", 1)[0].strip().lower()
+    return not kind or kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def check_model(server: ServerState, model: str | None) -> None:
@@ -120,6 +132,12 @@ def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int
                 raise APIError(400, str(e), param="messages") from None
             except TemplateError as e:  # the chat template refused the conversation (raise_exception)
                 raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+                # The template choked on what the client gave it (a variable of chat_template_kwargs of a type it
+                # cannot use, say): the request's doing, as the same template renders well-formed requests.
+                param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+                raise APIError(400, f"the chat template could not render this request ({type(e).__name__}: {e})",
+                               param=param) from None
         prompt = req.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:

@@ -6,6 +6,10 @@ clear 400 when a client asks for them (`n > 1`, logprobs, penalties,
 `logit_bias`, structured output, the deprecated `functions`); harmless ones
 (`user`, `metadata`, `parallel_tool_calls`, ...) are ignored. Tools are
 checked and planned in tools.py.
+
+Types are strict (`strict=True`), as OpenAI's are: `true` is not an integer, `"2"` not a number, `1` not a
+boolean. `chat_template_kwargs` may set the template's own variables (`enable_thinking`, ...) but not what
+fixes the prompt's format (`RESERVED_TEMPLATE_KWARGS`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": printable(self.message), "type": self.type, "param": printable(self.param),
+                          "code": self.code}}
+
+
+def printable(text: str | None) -> str | None:
+    """`text` with any lone surrogate (from the client's input) escaped, so the error body can be encoded."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str = "invalid_request_error", code: str | None = None) -> dict:
@@ -43,7 +53,7 @@ def error_body(message: str, type: str = "invalid_request_error", code: str | No
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = None  # a JSON Schema, given to the chat template as it is
@@ -53,13 +63,13 @@ class FunctionDefinition(BaseModel):
 class ToolDefinition(BaseModel):
     """One entry of `tools`: `{"type": "function", "function": {"name": ..., "parameters": {...}}}`."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = Field(min_length=1)
     arguments: str | dict = "{}"  # a JSON object, as text (OpenAI) or already decoded
 
@@ -67,14 +77,14 @@ class CalledFunction(BaseModel):
 class ToolCall(BaseModel):
     """A call in an assistant message of the history (as a response's `message.tool_calls` gave it)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
@@ -102,14 +112,14 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class CommonFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None  # temperature, top_p, top_k: checked by SamplingParams (`request_settings`)
@@ -128,6 +138,18 @@ class CommonFields(BaseModel):
     logit_bias: dict | None = None
 
 
+# `chat_template_kwargs` keys refused with a 400: the arguments of `apply_chat_template` itself and the
+# variables the server fills (the conversation, the tools, the generation prompt, the special tokens). Each
+# would change the prompt's format or what tokenizing returns, not just a template variable.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now",
+})
+
+
 class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -139,6 +161,15 @@ class ChatCompletionRequest(CommonFields):
     response_format: dict | None = None
     reasoning_effort: Literal[REASONING_LEVELS] | None = None
     chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def template_variables_only(cls, value):
+        for key in value or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"{key!r} is set by the server, not by a request (it would change the prompt's "
+                                 "format); chat_template_kwargs sets only the template's own variables")
+        return value
 
 
 class CompletionRequest(CommonFields):
@@ -165,9 +196,40 @@ def check_messages(req: "ChatCompletionRequest") -> None:
                            param=f"messages.{i}.tool_calls")
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this (tool schemas included) are refused
+
+
+def check_json(body: Any) -> None:
+    """What JSON allows but no field can use: nesting past `MAX_JSON_DEPTH`, and strings (or keys) holding a lone
+    UTF-16 surrogate such as `"\\ud800"`, which is no character and cannot be encoded or tokenized."""
+
+    def where(path: tuple) -> str | None:
+        return ".".join(str(p) for p in path) or None
+
+    stack = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param=where(path[:1]))
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                param = where(path)
+                raise APIError(400, f"{param or 'body'}: the string holds a lone surrogate (not valid Unicode)",
+                               param=param) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((item, (*path, key)))
+                stack.append((key, path))  # checked first: a bad key is not part of a param
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_json(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -46,11 +46,16 @@ def open_torch_pair(bundle: str | None, drafter: str | None = None, *, use_draft
     return load_torch(bundle, drafter=drafter, use_drafter=use_drafter, device=device, dtype=dtype)
 
 
+def check_backend_flags(args) -> None:
+    """What `--backend torch` cannot do, refused before anything loads."""
+    if args.backend == "torch" and (args.prompt_lookup or args.draft_k is not None):
+        raise GlimmerError("--backend torch drafts with DFlash drafters only (no --prompt-lookup / --draft-k)")
+
+
 def open_backend(args, open_pair):
     """The pair for `generate`, on the backend its flags ask for (`open_pair` opens an MLX pair)."""
+    check_backend_flags(args)
     if args.backend == "torch":
-        if args.prompt_lookup or args.draft_k is not None:
-            raise GlimmerError("--backend torch drafts with DFlash drafters only (no --prompt-lookup / --draft-k)")
         return open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
                                dtype=args.torch_dtype)
     return open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,

@@ -39,6 +39,10 @@ class TorchDFlashDrafter(DFlashDrafter):
     def position(self) -> int:
         return self._context + self._pending_len
 
+    def settle(self) -> list:
+        """Nothing to do ahead: the assistant reads the pending context together with the next block."""
+        return []
+
     def observe(self, tokens, features: torch.Tensor) -> None:
         self._pending.append(features)
         self._pending_len += features.shape[0]

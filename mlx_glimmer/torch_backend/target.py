@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..memory import NO_MEMORY
 from ..target import output_head
 from . import sampling as torch_sampling
 from .device import peak_memory_gb, reset_peak_memory, synchronize
@@ -34,6 +35,8 @@ def cache_keyword(forward) -> str:
 
 class TorchTarget:
     sampling = torch_sampling
+    memory = NO_MEMORY  # wired limits and clear_cache are MLX-on-Metal settings
+    lazy = False  # every call computes at once (CUDA queues kernels by itself): drafts are proposed when needed
 
     def __init__(self, model, device: torch.device):
         self.model = model.eval().requires_grad_(False)
@@ -145,11 +148,20 @@ class TorchTarget:
     def split(self, key: torch.Generator, n: int) -> tuple:
         return (key,) * (n + 1)  # one generator, drawn from in turn
 
-    def launch(self, array) -> None:
+    def join(self, *ids) -> torch.Tensor:
+        """Token tensors end to end, on the device ([anchor, drafts] for a verify)."""
+        return torch.cat([self.tokens(i).reshape(-1) for i in ids])
+
+    def launch(self, *arrays) -> None:
         pass  # torch queues device work by itself
 
     def sync(self, *arrays, cache=None) -> None:
         synchronize(self.device)
+
+    def read(self, *arrays) -> list[int]:
+        """The one blocking host read of a round: the integer entries of `arrays`, end to end."""
+        parts = [a.reshape(-1).long() for a in arrays if a is not None]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
 
     def reset_peak_memory(self) -> None:
         synchronize(self.device)

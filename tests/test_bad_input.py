@@ -1,0 +1,334 @@
+"""Issue 26: bad input never gets a traceback, a hang, silent garbage or a leftover (DESIGN.md section 3).
+
+Every example of the issue for the command line, the Python API, bench, distill, demo and chat's startup,
+as a table of what the user typed and what the one `error:` line says. The property-based counterpart is
+test_cli_properties.py; the server's 4xx bodies are the server's tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer import GenerationSettings, GlimmerError, SamplingParams
+from mlx_glimmer.cli import main
+from mlx_glimmer.settings import MAX_DRAFT_K
+
+EXE = Path(sys.executable).parent / "mlx-glimmer"
+
+
+def one_error_line(err: str, *needles: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, checkpoints):
+    """A float target + DFlash drafter (block 16), laid out as a bundle."""
+    root = tmp_path_factory.mktemp("bad-input") / "b"
+    shutil.copytree(checkpoints["muse"], root / "target")
+    shutil.copytree(checkpoints["assistant"], root / "drafter")
+    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def list_manifest(tmp_path_factory, bundle):
+    """A bundle whose glimmer.json is `[1, 2]`."""
+    root = tmp_path_factory.mktemp("bad-manifest") / "b"
+    shutil.copytree(bundle, root)
+    (root / "glimmer.json").write_text("[1, 2]")
+    return root
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Fact {i} about the sea?"}) + "\n" for i in range(3)))
+    heldout.write_text(json.dumps({"prompt": "What colour is the sky?"}) + "\n")
+    return ["--prompts", str(train), "--heldout", str(heldout)]
+
+
+SMALL = ["--layers", "1", "--context-layers", "3"]  # a drafter the 6-layer tiny llama can feed
+
+
+# ---- the command line: one `error:` line naming the flag, exit 2 ---------------------------------------
+
+# (argv, what the error line says); BUNDLE is a real bundle, BROKEN one whose glimmer.json is [1, 2].
+CLI_EXAMPLES = [
+    (["generate", "BUNDLE", "--prompt", ""], "generate: --prompt is empty"),
+    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", "-1"], "generate: --seed must be a whole number in [0, 2**63), got -1"),
+    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", str(2**70)], "--seed must be a whole number in [0, 2**63)"),
+    (["generate", "BROKEN", "--prompt", "Hi"], "glimmer.json: not a JSON object (got list)"),
+    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "nan"], "generate: --temp must be a number >= 0, got nan"),
+    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "inf"], "generate: --temp must be a number >= 0, got inf"),
+    (["generate", "BUNDLE", "--prompt", "Hi", "--max-tokens", "4", "--prompt-lookup", "--draft-k", "100000"],
+     f"argument --draft-k: must be in [1, {MAX_DRAFT_K}], got 100000"),
+    (["bench", "BUNDLE", "--max-tokens", "-5"], "bench: argument --max-tokens: must be >= 1, got -5"),
+    (["bench", "BUNDLE", "--max-tokens", "0"], "bench: argument --max-tokens: must be >= 1, got 0"),
+    (["bench", "BUNDLE", "--repeats", "0"], "bench: argument --repeats: must be >= 1, got 0"),
+    (["bench", "BUNDLE", "--num-prompts", "-1"], "bench: argument --num-prompts: must be >= 1, got -1"),
+    (["bench", "BUNDLE", "--block-sizes", "4,zero"], "bench: --block-sizes"),
+    (["demo", "--bits", "7"], "demo: argument --bits: invalid choice: 7"),
+    (["chat", "BROKEN"], "glimmer.json: not a JSON object"),
+    (["chat", "--temp", "nan"], "chat: --temp must be a number >= 0, got nan"),
+    (["chat", "--seed", "-1"], "chat: --seed must be a whole number in [0, 2**63), got -1"),
+]
+
+
+@pytest.mark.parametrize("argv, says", CLI_EXAMPLES, ids=[" ".join(a) for a, _ in CLI_EXAMPLES])
+def test_a_bad_flag_or_bundle_is_one_error_line(bundle, list_manifest, capsys, argv, says):
+    argv = [{"BUNDLE": str(bundle), "BROKEN": str(list_manifest)}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    one_error_line(capsys.readouterr().err, says)
+
+
+def test_an_empty_stdin_prompt_is_one_error_line(bundle, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["generate", str(bundle), "--prompt", "-"]) == 2
+    one_error_line(capsys.readouterr().err, "generate: --prompt -: standard input is empty")
+
+
+def test_chat_with_a_broken_bundle_stops_before_the_app(list_manifest, capsys, monkeypatch):
+    from mlx_glimmer.tui.app import ChatApp
+
+    monkeypatch.setattr(ChatApp, "run", lambda app: pytest.fail("the app started"))
+    assert main(["chat", str(list_manifest), "--no-history"]) == 2
+    one_error_line(capsys.readouterr().err, str(list_manifest / "glimmer.json"))
+
+
+def test_demo_flag_mistakes_print_nothing_before_the_error(tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert main(["demo", "--dtype", "float8"]) == 2
+    one_error_line(capsys.readouterr().err, "--dtype")
+    assert main(["demo", "--out", str(file)]) == 2
+    one_error_line(capsys.readouterr().err, "demo: --out", "not a directory")
+
+
+# ---- widths: bounded by what the drafter can use, calibration counted in ttft --------------------------
+
+
+def test_block_size_beyond_the_drafters_block_is_capped(bundle, capsys):
+    assert main(["generate", str(bundle), "--prompt", "Hello there", "--max-tokens", "40", "--block-size", "100000",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert max(int(w) for w in out["verify_width_histogram"]) <= 16  # the drafter's block
+    assert max(out["acceptance_lengths"]) <= 16
+
+
+def test_block_size_cap_in_the_api_and_its_stats(muse_pair):
+    result = mlx_glimmer.generate(muse_pair, "Hello", max_tokens=30, block_size=100000)
+    assert result.stats.block_size == muse_pair.drafter.block_size == 16
+    assert max(result.stats.verify_widths) <= 16
+    assert result.token_ids == mlx_glimmer.generate(muse_pair, "Hello", max_tokens=30, speculative=False).token_ids
+
+
+def test_prompt_lookup_width_calibration_is_bounded_and_counted_in_ttft(checkpoints, monkeypatch):
+    from mlx_glimmer.block_policy import BANDS, VerifyCost
+
+    generate_module = importlib.import_module("mlx_glimmer.generate")
+    widths = []
+
+    def slow_calibration(target, max_width, vocab_size, key, directory):  # a measurement that takes 0.4 s
+        widths.append(max_width)
+        time.sleep(0.4)
+        return VerifyCost(max_width, [[1e-3 * w for w in range(1, max_width + 1)] for _ in BANDS])
+
+    monkeypatch.setattr(generate_module, "cached_verify_cost", slow_calibration)
+    with pytest.raises(GlimmerError, match="draft_k"):
+        mlx_glimmer.load(target=checkpoints["muse"], prompt_lookup=True, draft_k=MAX_DRAFT_K + 1)
+    pair = mlx_glimmer.load(target=checkpoints["muse"], prompt_lookup=True, draft_k=MAX_DRAFT_K)
+    result = mlx_glimmer.generate(pair, "Hi", max_tokens=4)
+    assert widths == [MAX_DRAFT_K + 1]  # widths 1..17 measured, never 1..K+1 for a K the user typed
+    assert result.stats.ttft_s >= 0.4  # the calibration is part of the wait for the first token
+
+
+# ---- the Python API: GlimmerError naming the argument ---------------------------------------------------
+
+API_EXAMPLES = [
+    ("Hi", {"max_tokens": 0}, "max_tokens must be a whole number >= 1, got 0"),
+    ("Hi", {"max_tokens": -1}, "max_tokens must be a whole number >= 1, got -1"),
+    ("Hi", {"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+    ("Hi", {"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
+    ("", {}, "prompt: the prompt is empty"),
+    ([{"role": "user", "content": None}], {}, "prompt[0]['content'] must be a string, got NoneType"),
+    ("Hi", {"temperature": 0.7, "seed": -1}, "seed must be a whole number in [0, 2**63), got -1"),
+    ("Hi", {"temperature": 0.7, "seed": 2**63}, "seed must be a whole number in [0, 2**63)"),
+    ("Hi", {"top_k": 2.5}, "top_k must be a whole number >= 0, got 2.5"),
+    ("Hi", {"max_tokens": True}, "max_tokens must be a whole number >= 1, got True"),
+]
+
+
+@pytest.mark.parametrize("prompt, kwargs, says", API_EXAMPLES, ids=[s for _, _, s in API_EXAMPLES])
+def test_api_mistakes_raise_glimmer_error_naming_the_argument(muse_pair, prompt, kwargs, says):
+    with pytest.raises(GlimmerError) as e:
+        mlx_glimmer.generate(muse_pair, prompt, **{"max_tokens": 3, **kwargs})
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+    (lambda: SamplingParams(top_p=float("inf")), "top_p"),
+    (lambda: SamplingParams(top_k=2.5), "top_k"),
+    (lambda: GenerationSettings(max_tokens=0), "max_tokens"),
+    (lambda: GenerationSettings(seed=-1), "seed"),
+    (lambda: GenerationSettings(seed=2**70), "seed"),
+    (lambda: GenerationSettings(seed=1.5), "seed"),
+])
+def test_every_setting_is_refused_when_made(make, says):
+    with pytest.raises(GlimmerError, match=says):
+        make()
+
+
+def test_the_largest_seed_and_one_token_are_fine(muse_pair):
+    result = mlx_glimmer.generate(muse_pair, "Hi", max_tokens=1, temperature=0.7, seed=2**63 - 1)
+    assert len(result.token_ids) <= 1 and result.stats.finish_reason in ("stop", "length")
+
+
+# ---- distill: every flag before any work, RUN made only then, never a broken drafter ---------------------
+
+DISTILL_EXAMPLES = [
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--anchors", "0"], "argument --anchors: must be >= 1, got 0"),
+    (["--sequences-per-step", "0"], "argument --sequences-per-step: must be >= 1, got 0"),
+    (["--eval-every", "0"], "argument --eval-every: must be >= 1, got 0"),
+    (["--mask-token", "999999"], "--mask-token must be in [0, "),
+    (["--answer-tokens", "-5"], "argument --answer-tokens: must be >= 1, got -5"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0"),
+    (["--context-layers", "99"], "--context-layers must be in [1, 3] for a 6-layer target, got 99"),
+    (["--layers", "7"], "--layers must be in [1, 6]"),
+    (["--temperatures", "0,nan"], "--temperatures"),
+    (["--init", "/missing"], "--init /missing: neither 'random', 'target' nor a drafter directory"),
+    (["--seed", "-1"], "argument --seed: must be in [0, 2**63)"),
+]
+
+
+@pytest.mark.parametrize("flags, says", DISTILL_EXAMPLES, ids=[" ".join(f) for f, _ in DISTILL_EXAMPLES])
+@pytest.mark.parametrize("mode", ["train-only", "full"])
+def test_distill_refuses_a_bad_flag_before_making_run(checkpoints, prompts, tmp_path, capsys, flags, says, mode):
+    run = tmp_path / "run"
+    if mode == "train-only":  # answers already there: the flags are all that can be wrong
+        (run / "data").mkdir(parents=True)
+        (run / "data" / "responses.jsonl").write_text("")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    extra = ["--train-only"] if mode == "train-only" else []
+    assert main(["distill", str(checkpoints["llama"]), "--out", str(run), *prompts, *SMALL, *extra, *flags]) == 2
+    one_error_line(capsys.readouterr().err, says)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no RUN, nothing written
+
+
+def test_distill_out_on_an_existing_file(checkpoints, prompts, tmp_path, capsys):
+    file = tmp_path / "run"
+    file.write_text("not a folder")
+    assert main(["distill", str(checkpoints["llama"]), "--out", str(file), *prompts]) == 2
+    one_error_line(capsys.readouterr().err, "--out", "not a directory")
+
+
+def test_distill_refuses_a_malformed_prompt_file_before_run(checkpoints, prompts, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{not json\n')
+    run = tmp_path / "run"
+    assert main(["distill", str(checkpoints["llama"]), "--out", str(run), "--prompts", str(bad), *prompts[2:],
+                 *SMALL]) == 2
+    one_error_line(capsys.readouterr().err, str(bad), "line 2")
+    assert not run.exists()
+
+
+def _checkpoint(path: Path, weights: dict) -> Path:
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_distill_never_exports_non_finite_weights_or_an_empty_stack(tmp_path):
+    from mlx_glimmer.distill.run import UnusableDrafter, export, export_best
+
+    fine = {"layers.0.mlp.down_proj.weight": mx.ones((2, 2)), "fc.weight": mx.ones((2, 4)),
+            "draft_vocab": mx.array([0, 1], dtype=mx.int32)}
+    nan = {**fine, "fc.weight": mx.full((2, 4), float("nan"))}
+    huge = {**fine, "fc.weight": mx.full((2, 4), 1e6)}  # finite in float32, infinite once exported as float16
+    empty = {"fc.weight": mx.ones((2, 4)), "draft_vocab": mx.array([0, 1], dtype=mx.int32)}
+    for name, weights, says in [("nan", nan, "non-finite"), ("huge", huge, "non-finite"), ("empty", empty, "no layers")]:
+        with pytest.raises(UnusableDrafter, match=says):
+            export(_checkpoint(tmp_path / name, weights), tmp_path / f"{name}-drafter")
+        assert not (tmp_path / f"{name}-drafter").exists()
+
+    run = tmp_path / "run"
+    _checkpoint(run / "step000002", fine)
+    _checkpoint(run / "step000004", nan)
+    evaluations = [{"step": 2, "mean_acceptance": 1.2}, {"step": 4, "mean_acceptance": 9.0}]  # NaN "accepts" all
+    assert export_best(evaluations, run)["step"] == 2
+    assert (run / "drafter" / "model.safetensors").is_file()
+    shutil.rmtree(run / "step000002")
+    _checkpoint(run / "step000002", nan)
+    with pytest.raises(GlimmerError, match="no checkpoint can be exported"):
+        export_best(evaluations, run)
+
+
+# ---- refused in well under a second, before the BLAS re-exec and any heavy import ------------------------
+
+FAST_REFUSALS = [
+    ["generate", "--temp", "nan", "--prompt", "hi"],
+    ["generate", "--bogus"],
+    ["bench", "--repeats", "0"],
+    ["distill", "--out", "RUN", "--layers", "0"],
+    ["demo", "--bits", "7"],
+    ["chat", "--temp", "inf"],
+    ["serve", "--top-p", "2"],
+    ["convert", "--bits", "7", "--target", "x", "--out", "y"],
+]
+
+
+def test_bad_flags_are_refused_before_the_blas_reexec_and_heavy_imports(tmp_path):
+    script = f"""
+import json, sys
+import mlx_glimmer.blas as blas
+reexecs = []
+blas.ensure_fast_blas = lambda cache: reexecs.append(str(cache))
+from mlx_glimmer.cli import main
+codes = []
+for argv in {[[a.replace("RUN", str(tmp_path / "run")) for a in argv] for argv in FAST_REFUSALS]!r}:
+    sys.argv = ["mlx-glimmer", *argv]
+    codes.append(main())
+heavy = sorted(m for m in ("mlx", "mlx_lm", "transformers", "torch", "numpy", "fastapi") if m in sys.modules)
+print(json.dumps({{"codes": codes, "reexecs": reexecs, "heavy": heavy}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MLX_GLIMMER_BLAS": ""})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report == {"codes": [2] * len(FAST_REFUSALS), "reexecs": [], "heavy": []}
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == len(FAST_REFUSALS) and all(ln.startswith("error: ") for ln in lines), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv", [FAST_REFUSALS[0], FAST_REFUSALS[3], FAST_REFUSALS[5]], ids=lambda a: a[0])
+def test_the_installed_command_refuses_a_bad_flag_in_under_a_second(tmp_path, argv):
+    argv = [a.replace("RUN", str(tmp_path / "run")) for a in argv]
+    tic = time.perf_counter()
+    proc = subprocess.run([str(EXE), *argv], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - tic
+    assert proc.returncode == 2
+    one_error_line(proc.stderr)
+    assert elapsed < 1.0, f"{argv}: refused after {elapsed:.2f} s"

@@ -1,0 +1,95 @@
+"""Metal memory settings through one seam (`memory.DeviceMemory`): what a generation asks of it, and no-ops here."""
+
+import mlx.core as mx
+import pytest
+
+import mlx_glimmer
+from mlx_glimmer.memory import GIB, DeviceMemory, model_bytes
+from mlx_glimmer.speculative import generate_steps
+
+PROMPT = [256] + list(b"Once upon a time")
+
+
+class FakeMetal:
+    """The four MLX memory calls, recorded; a device recommending `bound` bytes as its working set."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.wired, self.cache = 0, 10 * GIB
+        self.clears = 0
+
+    def device_info(self):
+        return {"max_recommended_working_set_size": self.bound, "memory_size": 2 * self.bound}
+
+    def set_wired_limit(self, n):
+        old, self.wired = self.wired, n
+        return old
+
+    def set_cache_limit(self, n):
+        old, self.cache = self.cache, n
+        return old
+
+    def clear_cache(self):
+        self.clears += 1
+
+
+@pytest.fixture
+def metal(muse_pair, monkeypatch):
+    fake = FakeMetal(bound=24 * GIB)
+    memory = DeviceMemory(enabled=True, ops=fake)
+    monkeypatch.setattr(muse_pair.target, "memory", memory)
+    return memory, fake
+
+
+def test_off_metal_every_call_is_a_no_op(muse_pair):
+    assert not mx.metal.is_available()  # this machine
+    memory = muse_pair.target.memory
+    assert memory.enabled is False
+    with memory.resident(muse_pair.target.model):
+        memory.clear()
+        memory.tick(255, 300)
+    assert memory.calls == []
+
+
+def test_limits_are_the_weights_plus_headroom_bounded_by_the_working_set():
+    memory = DeviceMemory(enabled=True, ops=FakeMetal(bound=27 * GIB))
+    assert memory.limits(17 * GIB) == (17 * GIB + 17 * GIB // 4, (17 * GIB + 17 * GIB // 4) // 4)
+    assert memory.limits(100 << 20) == ((100 << 20) + GIB, ((100 << 20) + GIB) // 4)  # at least 1 GiB of room
+    assert memory.limits(30 * GIB) == (27 * GIB, 27 * GIB // 4)  # never past the recommended working set
+
+
+def test_a_generation_wires_its_weights_and_puts_the_limits_back(muse_pair, metal):
+    memory, fake = metal
+    mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=8, speculative=False)
+    wired = model_bytes(muse_pair.target.model) + GIB
+    assert memory.calls[:2] == [("wired", wired), ("cache_limit", wired // 4)]
+    assert memory.calls[-1] == ("restore", 0, 10 * GIB)
+    assert (fake.wired, fake.cache) == (0, 10 * GIB)
+    memory.calls.clear()
+    mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=8, block_size=4)
+    weights = model_bytes(muse_pair.target.model, muse_pair.drafter.model)
+    assert memory.calls[0] == ("wired", weights + GIB) and weights > wired - GIB
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_loop_clears_after_prefill_chunks_and_every_256_tokens(muse_pair, metal, speculative):
+    memory, fake = metal
+    prompt = [256] + list(b"x" * 1100)  # 3 prefill chunks of 512
+    drafter = muse_pair.drafter if speculative else None
+    steps = list(generate_steps(muse_pair.target, prompt, drafter=drafter, block_size=16, max_tokens=600))
+    assert sum(len(s.tokens) for s in steps) == 600
+    # 2 chunks before the last, 1 after the first token, then at 256 and 512 tokens.
+    assert memory.calls == [("clear",)] * (2 + 1 + 2) and fake.clears == 5
+
+
+def test_streams_that_overlap_share_one_setting(muse_pair, metal):
+    memory, fake = metal
+    a = mlx_glimmer.stream_generate(muse_pair, PROMPT, max_tokens=20, speculative=False)
+    b = mlx_glimmer.stream_generate(muse_pair, PROMPT, max_tokens=20, speculative=False)
+    next(a)
+    next(b)
+    assert fake.wired > 0
+    a.close()
+    assert fake.wired > 0, "the other stream still runs"
+    b.close()
+    assert fake.wired == 0 and [c[0] for c in memory.calls].count("wired") == 1

@@ -1,0 +1,85 @@
+"""The drafter's prompt context is computed with the prefill, so `auto` keeps drafting after a long prompt."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+from oracle_drafter import OracleDrafter
+
+import mlx_glimmer
+from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
+from mlx_glimmer.speculative import generate_steps
+
+LONG = 2000
+
+
+class WorkingOracle(OracleDrafter):
+    """Proposes the target's own greedy tokens, doing all the work of a real DFlash drafter on the way: it reads
+    the target's features, projects them into the drafter's context and runs the drafter's block forward (its
+    draft depends on that forward's output, so the work is part of the draft's graph)."""
+
+    def __init__(self, real, prompt_len, continuation, vocab):
+        super().__init__(prompt_len, continuation, set(), vocab, block_size=real.block_size)
+        self.real = real
+        self.target_layer_ids = real.target_layer_ids
+
+    def reset(self):
+        super().reset()
+        self.real.reset()
+
+    def observe(self, tokens, features):
+        super().observe(tokens, features)
+        self.real.observe(tokens, features)
+
+    def rollback(self, n):
+        return self.real.rollback(n)
+
+    @property
+    def backlog(self):
+        return self.real.backlog
+
+    def settle(self):
+        return self.real.settle()
+
+    def propose(self, anchor, count, params, key):
+        own, _ = super().propose(anchor, count, params, key)
+        real, _ = self.real.propose(anchor, count, params, key)
+        return own + real.astype(mx.uint32) * 0, None
+
+
+def long_prompt(vocab: int) -> list[int]:
+    rng = np.random.default_rng(11)
+    return [256] + [int(t) for t in rng.integers(0, 256, LONG - 1)]
+
+
+def test_auto_drafts_wide_after_a_2000_token_prompt(muse_pair):
+    prompt = long_prompt(muse_pair.target.vocab_size)
+    plain = mlx_glimmer.generate(muse_pair, prompt, max_tokens=200, speculative=False).token_ids
+    oracle = WorkingOracle(muse_pair.drafter, len(prompt), plain, muse_pair.target.vocab_size)
+    pair = dataclasses.replace(muse_pair, drafter=oracle)
+    for turn in range(2):  # the policy (and its draft estimate) carries over to the next generation
+        result = mlx_glimmer.generate(pair, prompt, max_tokens=200)
+        assert result.token_ids == plain
+        widths = result.stats.verify_widths[:8]
+        assert sum(w > 1 for w in widths) >= 6, (turn, result.stats.verify_widths)
+
+
+def test_the_prompt_context_is_evaluated_with_the_prefill(muse_pair):
+    """After the prefill step the drafter holds no backlog: its context arrays were computed with the prompt."""
+    prompt = long_prompt(muse_pair.target.vocab_size)
+    drafter = muse_pair.drafter
+    steps = generate_steps(muse_pair.target, prompt, drafter=drafter, block_size=4, max_tokens=20)
+    first = next(steps)
+    assert first.prefill_tokens == LONG and drafter.backlog == 0
+    assert drafter.position == LONG
+    steps.close()
+
+
+def test_a_round_that_projects_a_long_backlog_seeds_no_estimate():
+    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
+    policy = WidthPolicy(cost, AcceptanceModel(3))
+    policy.observe_round(4, 3, 100, seconds=50.0, timed=False)
+    assert policy.draft_seconds is None and cost.counts[0] == [0, 0, 0, 0]
+    assert policy.acceptance.offered[0] == 1.0  # its acceptance still counts
+    policy.observe_round(4, 3, 100, seconds=1.5)
+    assert policy.draft_seconds == 1.5 - 1.3

@@ -1,0 +1,251 @@
+"""Issue 26 item 3: every malformed or unsupported client input gets an OpenAI-style 4xx body, never a 500.
+
+The app runs in-process under FastAPI's TestClient, on the tiny random Muse checkpoint and its assistant
+drafter (its chat template is the real code path; its text is noise). First a table: the issue's examples and
+the other cases found (one test each), with the status and the `param` each gets. Then a property: request
+bodies drawn by hypothesis for both endpoints (valid fields, wild values of every JSON type, lone surrogates,
+non-objects, deep nesting) get 200 or a 4xx with an error body, within a time bound, and nothing reaches the
+log as a traceback or an internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import mlx_glimmer  # noqa: E402
+from mlx_glimmer.server.app import ServerState, create_app, model_context  # noqa: E402
+from mlx_glimmer.server.protocol import RESERVED_TEMPLATE_KWARGS  # noqa: E402
+from mlx_glimmer.server.worker import GenerationWorker  # noqa: E402
+from mlx_glimmer.settings import GenerationSettings  # noqa: E402
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ASK = [{"role": "user", "content": "hi"}]
+TIME_BOUND_S = 10.0  # one request, max_tokens at most 8 on a tiny model: far less in practice
+
+
+@pytest.fixture(scope="module")
+def client(checkpoints):
+    pair = mlx_glimmer.load(target=checkpoints["muse"], drafter=checkpoints["assistant"])
+    worker = GenerationWorker(lambda: pair, max_queue=8, prompt_cache_bytes=1 << 26)
+    worker.start()
+    server = ServerState(worker, "tiny", GenerationSettings(max_tokens=4), model_context(pair))
+    with TestClient(create_app(server), raise_server_exceptions=False) as c:
+        yield c
+    worker.close(timeout=5)
+
+
+def post(client, path: str, body, content_type: str = "application/json"):
+    """POST `body` (JSON-encoded unless it is bytes or str already); lone surrogates go out as `\\ud800` escapes."""
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    start = time.monotonic()
+    r = client.post(path, content=data, headers={"content-type": content_type})
+    return r, time.monotonic() - start
+
+
+def assert_contract(r, elapsed: float) -> None:
+    assert elapsed < TIME_BOUND_S, f"took {elapsed:.1f} s"
+    if r.status_code == 200:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert not any('"server_error"' in e for e in events), r.text
+        else:
+            assert "choices" in r.json()
+        return
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": ASK, "max_tokens": 2, **fields}
+
+
+KNOWN = [  # (what, path, body, status, param)
+    ("lone surrogate in content", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+     400, "messages.0.content"),
+    ("lone surrogate in a text part", CHAT,
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}', 400,
+     "messages.0.content.0.text"),
+    ("lone surrogate in the prompt", COMPLETIONS, '{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate in stop", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', 400,
+     "stop"),
+    ("lone surrogate in model", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', 400,
+     "model"),
+    ("100k nested [", CHAT, "[" * 100_000, 400, None),
+    ("100k nested [ in a field", CHAT, '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
+    ("nesting past 64 levels", CHAT, chat(metadata=json.loads("[" * 80 + "]" * 80)), 400, "metadata"),
+    ("max_tokens: true", CHAT, chat(max_tokens=True), 400, "max_tokens"),
+    ("max_tokens: 1.0", CHAT, chat(max_tokens=1.0), 400, "max_tokens"),
+    ("max_tokens: '2'", CHAT, chat(max_tokens="2"), 400, "max_tokens"),
+    ("max_tokens: 0", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens: 10**30", CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
+    ("temperature: true", CHAT, chat(temperature=True), 400, "temperature"),
+    ("temperature: NaN", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "temperature"),
+    ("temperature: -Infinity", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+     400, "temperature"),
+    ("top_k: true", CHAT, chat(top_k=True), 400, "top_k"),
+    ("top_k: 2.5", CHAT, chat(top_k=2.5), 400, "top_k"),
+    ("seed: true", CHAT, chat(seed=True), 400, "seed"),
+    ("seed: 2**70", CHAT, chat(seed=2**70), 400, "seed"),
+    ("n: true", CHAT, chat(n=True), 400, "n"),
+    ("stream: 1", CHAT, chat(stream=1), 400, "stream"),
+    ("stream: 'yes'", CHAT, chat(stream="yes"), 400, "stream"),
+    ("speculative: 1", CHAT, chat(speculative=1), 400, "speculative"),
+    ("block_size: true", CHAT, chat(block_size=True), 400, "block_size"),
+    ("echo: 1", COMPLETIONS, {"prompt": "hi", "echo": 1}, 400, "echo"),
+    ("a token id true", COMPLETIONS, {"prompt": [1, True]}, 400, "prompt"),
+    ("a token id past the vocabulary", COMPLETIONS, {"prompt": [2**70]}, 400, "prompt"),
+    ("prompt: null", COMPLETIONS, {"prompt": None}, 400, "prompt"),
+    ("role: 1", CHAT, chat(messages=[{"role": 1, "content": "x"}]), 400, "messages.0.role"),
+    ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    ("content: 5", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content"),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("message: null", CHAT, chat(messages=[None]), 400, "messages.0"),
+    ("stream_options: 5", CHAT, chat(stream=True, stream_options=5), 400, "stream_options"),
+    ("include_usage: 1", CHAT, chat(stream=True, stream_options={"include_usage": 1}), 400,
+     "stream_options.include_usage"),
+    ("chat_template_kwargs a list", CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
+    ("body null", CHAT, "null", 400, None),
+    ("body a list", COMPLETIONS, "[1, 2]", 400, None),
+    ("empty body", CHAT, "", 400, None),
+    ("invalid UTF-8", COMPLETIONS, b'{"prompt": "\xff"}', 400, None),
+] + [(f"chat_template_kwargs {{{key!r}: ...}}", CHAT, chat(chat_template_kwargs={key: value}), 400,
+      "chat_template_kwargs")
+     for key, value in [("add_generation_prompt", False), ("tokenize", True), ("messages", []), ("tools", 5),
+                        ("conversation", 5), ("continue_final_message", True), ("return_dict", True),
+                        ("chat_template", "{{ x"), ("bos_token", "")]]
+
+
+@pytest.mark.parametrize("what, path, body, status, param", KNOWN, ids=[k[0] for k in KNOWN])
+def test_known_bad_input_gets_a_4xx_naming_the_field(client, capfd, what, path, body, status, param):
+    r, elapsed = post(client, path, body)
+    assert r.status_code == status, r.text
+    assert_contract(r, elapsed)
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.json()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "internal error" not in err, err
+
+
+def test_a_non_json_content_type_gets_415_and_json_ones_are_served(client):
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r, _ = post(client, CHAT, chat(), content_type=kind)
+        assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    for kind in ("application/json", "application/json; charset=utf-8", "application/vnd.api+json", ""):
+        r, _ = post(client, CHAT, chat(), content_type=kind)
+        assert r.status_code == 200, (kind, r.text)
+
+
+def test_template_variables_that_are_not_reserved_pass_through(client):
+    assert {"add_generation_prompt", "tokenize", "messages", "tools"} <= RESERVED_TEMPLATE_KWARGS
+    plain, _ = post(client, CHAT, chat())
+    varied, _ = post(client, CHAT, chat(chat_template_kwargs={"reasoning_strength": "low", "enable_thinking": False}))
+    assert plain.status_code == varied.status_code == 200
+    assert varied.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # the template reads neither
+
+
+# ---- the property ----------------------------------------------------------------------------------------
+
+SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\udbff\udbff"])
+TEXT = st.one_of(st.text(max_size=12), SURROGATES, st.sampled_from(["", "hi", "\x00", "auto", "tiny", "text"]))
+INTS = st.one_of(st.integers(-5, 8), st.sampled_from([2**31, 2**63, 2**64, 2**70, 10**30, -(2**70)]))
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.5, 1.0, 1.5]))
+SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT)
+WILD = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(TEXT, inner, max_size=3)), max_leaves=8)
+ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", "", "USER"])
+PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+                 st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "text"])}), WILD)
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": ROLES, "content": st.one_of(TEXT, st.lists(PART, max_size=2), WILD)},
+                          optional={"name": st.one_of(TEXT, WILD), "tool_call_id": st.one_of(TEXT, WILD),
+                                    "tool_calls": WILD, "reasoning_content": st.one_of(TEXT, WILD)}),
+    WILD,
+)
+
+
+PLAIN_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
+
+
+def field(valid, odd=None):
+    """A field's plausible value: mostly a valid one, now and then an `odd` one (out of range, say)."""
+    return valid if odd is None else st.one_of(*[valid] * 7, odd)
+
+
+COMMON = {
+    "model": field(st.sampled_from(["tiny", "default", ""]), st.sampled_from(["gpt-4o", "\ud800"])),
+    "max_tokens": field(st.integers(1, 8), st.integers(-2, 0)),
+    "temperature": field(st.one_of(st.just(0), st.floats(0, 2)), FLOATS),
+    "top_p": field(st.floats(0.05, 1), st.floats(-1, 2)),
+    "top_k": field(st.integers(0, 50), INTS),
+    "seed": field(st.integers(0, 2**32), INTS),
+    "stop": field(st.one_of(PLAIN_TEXT, st.lists(PLAIN_TEXT, max_size=4)), st.lists(TEXT, max_size=6)),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": field(st.just(1), st.integers(0, 3)),
+    "speculative": st.booleans(),
+    "block_size": field(st.one_of(st.integers(1, 16), st.just("auto")), st.integers(-1, 300)),
+    "logprobs": field(st.just(False), st.booleans()),
+    "presence_penalty": field(st.just(0), FLOATS),
+    "user": PLAIN_TEXT,
+}
+CHAT_FIELDS = {
+    **COMMON,
+    "max_completion_tokens": field(st.integers(1, 8), st.integers(-2, 0)),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+    "reasoning_effort": field(st.sampled_from(["low", "medium", "high"]), st.just("max")),
+    "chat_template_kwargs": st.dictionaries(field(st.sampled_from(["enable_thinking", "reasoning_strength"]),
+                                                  st.sampled_from(sorted(RESERVED_TEMPLATE_KWARGS))), WILD, max_size=2),
+}
+COMPLETION_FIELDS = {**COMMON, "echo": field(st.just(False), st.booleans()), "suffix": field(st.just(""), TEXT),
+                     "best_of": field(st.just(1), st.integers(0, 2))}
+MESSAGES = field(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": PLAIN_TEXT}),
+                          min_size=1, max_size=3).map(lambda ms: [*ms, {"role": "user", "content": "hi"}]),
+                 st.one_of(st.lists(MESSAGE, max_size=3), WILD))
+PROMPT = field(st.one_of(PLAIN_TEXT, st.lists(st.integers(0, 255), min_size=1, max_size=4)),
+               st.one_of(TEXT, st.lists(st.integers(-1, 300), max_size=4), st.lists(TEXT, max_size=2), WILD))
+
+
+def bodies(required: dict, optional: dict):
+    """Plausible bodies, and the same with one field (named or not) set to anything JSON can hold."""
+    plausible = st.fixed_dictionaries(required, optional=optional)
+    names = sorted({*required, *optional, "logit_bias", "tools", "metadata"})
+    broken = st.tuples(plausible, st.one_of(st.sampled_from(names), TEXT), WILD).map(lambda t: {**t[0], t[1]: t[2]})
+    return st.one_of(plausible, broken).map(json.dumps)
+
+
+BODIES = st.one_of(  # (path, the body as JSON text)
+    st.tuples(st.just(CHAT), bodies({"messages": MESSAGES}, CHAT_FIELDS)),
+    st.tuples(st.just(COMPLETIONS), bodies({"prompt": PROMPT}, COMPLETION_FIELDS)),
+    st.tuples(st.sampled_from([CHAT, COMPLETIONS]), WILD.map(json.dumps)),  # not an object, or an object of anything
+    st.tuples(st.sampled_from([CHAT, COMPLETIONS]),
+              st.integers(1, 3000).map(lambda n: "[" * n + "]" * n)),  # nesting, past Python's recursion limit too
+)
+
+
+def test_drawn_request_bodies_get_200_or_an_openai_4xx(client, capfd):
+    @settings(max_examples=250, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(BODIES)
+    def check(drawn):
+        path, body = drawn
+        r, elapsed = post(client, path, body)
+        assert_contract(r, elapsed)
+
+    start = time.monotonic()
+    check()
+    assert time.monotonic() - start < 60
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "internal error" not in err, err
