@@ -25,8 +25,13 @@ SYSTEM_OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 def run(env: dict, max_tokens: int) -> dict:
     exe = shutil.which("mlx-glimmer") or str(Path(sys.executable).parent / "mlx-glimmer")
-    out = subprocess.run([exe, "generate", "--chat", "--prompt", PROMPT, "--no-spec", "--max-tokens", str(max_tokens), "--json"],
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [exe, "generate", "--chat", "--prompt", PROMPT, "--no-spec", "--max-tokens", str(max_tokens), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -50,7 +55,11 @@ def main() -> int:
             result = run(env, args.max_tokens)
             rates[way].append(result["decode_tokens_per_second"])
             tokens.setdefault(way, result["token_ids"])
-            print(f"round {r + 1}/{args.rounds} {way}: {result['decode_tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}/{args.rounds} {way}: {result['decode_tokens_per_second']:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     median = {w: statistics.median(v) for w, v in rates.items()}
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),

@@ -40,16 +40,27 @@ APP = Path(sys.executable).parent / "mlx-glimmer"
 
 
 def run_generate(bundle: str | None, tokens: int, prompt: str, flags: list[str]) -> dict:
-    cmd = [str(APP), "generate", *([bundle] if bundle else []), "--chat", "--prompt", prompt,
-           "--max-tokens", str(tokens), "--json", *flags]
+    cmd = [
+        str(APP),
+        "generate",
+        *([bundle] if bundle else []),
+        "--chat",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(tokens),
+        "--json",
+        *flags,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     return {k: d[k] for k in ("generated_tokens", "decode_tokens_per_second", "mean_acceptance", "finish_reason")}
 
 
 def tmux(socket: str, *args: str, env=None) -> str:
-    return subprocess.run(["tmux", "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True,
-                          env=env, timeout=30).stdout
+    return subprocess.run(
+        ["tmux", "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True, env=env, timeout=30
+    ).stdout
 
 
 APP_ENV: dict[str, str] = {}  # --app-env: extra environment for the app's runs only
@@ -78,8 +89,10 @@ def run_app(bundle: str | None, tokens: int, prompt: str, flags: list[str], time
                 stats = saved_stats(db)
                 if stats is not None:
                     break
-                if time.monotonic() > deadline or tmux(socket, "display-message", "-p", "-t", "bench",
-                                                       "#{pane_dead}", env=env).strip() == "1":
+                if (
+                    time.monotonic() > deadline
+                    or tmux(socket, "display-message", "-p", "-t", "bench", "#{pane_dead}", env=env).strip() == "1"
+                ):
                     screen = tmux(socket, "capture-pane", "-p", "-t", "bench", env=env)
                     raise RuntimeError(f"the app did not save an answer:\n{screen}")
                 time.sleep(0.5)
@@ -119,12 +132,21 @@ def main() -> int:
     ap.add_argument("--bundle", default=None, help="bundle directory (default: the demo pair)")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny pair instead of a bundle")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding in both (default: speculative)")
-    ap.add_argument("--prompt", default=None, help="the user message (default: a long-essay request; "
-                    "with --tiny 'Tell me more', which it answers with > 512 tokens)")
+    ap.add_argument(
+        "--prompt",
+        default=None,
+        help="the user message (default: a long-essay request; "
+        "with --tiny 'Tell me more', which it answers with > 512 tokens)",
+    )
     ap.add_argument("--pairs", type=int, default=3, help="alternating generate/app pairs (default 3)")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--app-env", action="append", default=[], metavar="K=V",
-                    help="environment for the app's runs only (e.g. OPENBLAS_NUM_THREADS=1)")
+    ap.add_argument(
+        "--app-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="environment for the app's runs only (e.g. OPENBLAS_NUM_THREADS=1)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "chat_stream_speed.json"))
     args = ap.parse_args()
     APP_ENV.update(kv.split("=", 1) for kv in args.app_env)
@@ -146,14 +168,18 @@ def main() -> int:
             g = run_generate(bundle, args.tokens, prompt, flags)
         ratio = a["decode_tokens_per_second"] / g["decode_tokens_per_second"]
         runs.append({"generate": g, "app": a, "ratio": ratio})
-        print(f"pair {i + 1}: generate {g['decode_tokens_per_second']:.1f} tok/s ({g['generated_tokens']} tokens), "
-              f"app {a['decode_tokens_per_second']:.1f} tok/s ({a['generated_tokens']} tokens), ratio {ratio:.3f}",
-              flush=True)
+        print(
+            f"pair {i + 1}: generate {g['decode_tokens_per_second']:.1f} tok/s ({g['generated_tokens']} tokens), "
+            f"app {a['decode_tokens_per_second']:.1f} tok/s ({a['generated_tokens']} tokens), ratio {ratio:.3f}",
+            flush=True,
+        )
         if g["generated_tokens"] != args.tokens or a["generated_tokens"] != args.tokens:
             print(f"  warning: the answer stopped before {args.tokens} tokens", flush=True)
     result = {
         "what": "decode tok/s of one 512-token greedy answer: chat app in tmux vs mlx-glimmer generate",
-        "bundle": "tiny test pair (tests/tiny_checkpoints.py, readable tokenizer)" if args.tiny else args.bundle or "demo pair",
+        "bundle": "tiny test pair (tests/tiny_checkpoints.py, readable tokenizer)"
+        if args.tiny
+        else args.bundle or "demo pair",
         "speculative": not args.no_spec,
         "prompt": prompt,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
@@ -166,9 +192,11 @@ def main() -> int:
         "median_ratio": statistics.median(r["ratio"] for r in runs),
     }
     result["ratio_of_medians"] = result["median_app_tok_s"] / result["median_generate_tok_s"]
-    print(f"median: generate {result['median_generate_tok_s']:.1f} tok/s, app {result['median_app_tok_s']:.1f} tok/s, "
-          f"ratio {result['median_ratio']:.3f} (median of per-pair ratios; ratio of medians "
-          f"{result['ratio_of_medians']:.3f})")
+    print(
+        f"median: generate {result['median_generate_tok_s']:.1f} tok/s, app {result['median_app_tok_s']:.1f} tok/s, "
+        f"ratio {result['median_ratio']:.3f} (median of per-pair ratios; ratio of medians "
+        f"{result['ratio_of_medians']:.3f})"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

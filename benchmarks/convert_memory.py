@@ -122,7 +122,9 @@ def main() -> int:
 
     src = work / "source"
     start = time.perf_counter()
-    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text())["num_hidden_layers"] == args.layers:
+    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text())[
+        "num_hidden_layers"
+    ] == args.layers:
         shards = sorted(src.glob("model-*.safetensors"))  # --keep: reuse the generated checkpoint
     else:
         shards = write_checkpoint(src, args.layers)
@@ -130,19 +132,39 @@ def main() -> int:
     largest = max(f.stat().st_size for f in shards)
     tensors = len(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
     biggest_tensor = VOCAB * HIDDEN * 2
-    say(f"source: random bfloat16 llama, {args.layers} layers, {tensors} tensors in {len(shards)} shards, "
+    say(
+        f"source: random bfloat16 llama, {args.layers} layers, {tensors} tensors in {len(shards)} shards, "
         f"{mb(total)} (largest shard {mb(largest)}, largest tensor {mb(biggest_tensor)}); "
-        f"written in {time.perf_counter() - start:.0f} s")
+        f"written in {time.perf_counter() - start:.0f} s"
+    )
 
     base, _, _ = peak_rss_of([sys.executable, "-c", "import mlx_glimmer.cli"])
     say(f"baseline: a process that only imports mlx_glimmer.cli peaks at {mb(base)}")
-    naive, _, _ = peak_rss_of([sys.executable, "-c", "import sys, mlx.core as mx; w = mx.load(sys.argv[1]); mx.eval(w)",
-                               str(max(shards, key=lambda f: f.stat().st_size))])
+    naive, _, _ = peak_rss_of(
+        [
+            sys.executable,
+            "-c",
+            "import sys, mlx.core as mx; w = mx.load(sys.argv[1]); mx.eval(w)",
+            str(max(shards, key=lambda f: f.stat().st_size)),
+        ]
+    )
     say(f"for scale: mx.load of one shard, evaluated whole, peaks at {mb(naive)}")
 
     out = work / "bundle"
-    cmd = [sys.executable, "-m", "mlx_glimmer.cli", "convert", "--target", str(src), "--out", str(out),
-           "--bits", "4", "--force", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_glimmer.cli",
+        "convert",
+        "--target",
+        str(src),
+        "--out",
+        str(out),
+        "--bits",
+        "4",
+        "--force",
+        "--quiet",
+    ]
     peak, seconds, proc = peak_rss_of(cmd)
     if proc.returncode != 0:
         say(f"convert failed: {proc.stderr.strip()}")
@@ -152,13 +174,17 @@ def main() -> int:
     name = f"model.layers.{args.layers // 2}.mlp.down_proj"
     index = json.loads((out / "target" / "model.safetensors.index.json").read_text())["weight_map"]
     q = mx.load(str(out / "target" / index[name + ".weight"]))
-    w = mx.load(str(src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name + ".weight"]))
+    w = mx.load(
+        str(src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name + ".weight"])
+    )
     ref = w[name + ".weight"].astype(mx.float32)
     deq = mx.dequantize(q[name + ".weight"], q[name + ".scales"], q[name + ".biases"], group_size=64, bits=4)
     err = (mx.sqrt(mx.mean((deq.astype(mx.float32) - ref) ** 2)) / mx.sqrt(mx.mean(ref**2))).item()
     say(f"convert --bits 4: {seconds:.0f} s, output {mb(written)}; peak RSS {mb(peak)}")
-    say(f"bound 2 x largest shard + 300 MB = {mb(bound)}: {'PASS' if peak <= bound else 'FAIL'} "
-        f"(peak is {peak / bound:.0%} of the bound, {peak / total:.0%} of the checkpoint)")
+    say(
+        f"bound 2 x largest shard + 300 MB = {mb(bound)}: {'PASS' if peak <= bound else 'FAIL'} "
+        f"(peak is {peak / bound:.0%} of the bound, {peak / total:.0%} of the checkpoint)"
+    )
     say(f"check: {name} dequantizes to its source within {err:.1%} RMS (4-bit, group 64)")
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

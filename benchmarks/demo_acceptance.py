@@ -39,18 +39,33 @@ def main() -> int:
         tokens += sum(r.stats.acceptance_lengths)
         forwards += r.stats.target_forwards
         lengths += r.stats.acceptance_lengths
-        rows.append({"prompt": p, "mean_acceptance": r.stats.mean_acceptance, "tokens": r.stats.generated_tokens,
-                     "target_forwards": r.stats.target_forwards, "equals_plain": same})
+        rows.append(
+            {
+                "prompt": p,
+                "mean_acceptance": r.stats.mean_acceptance,
+                "tokens": r.stats.generated_tokens,
+                "target_forwards": r.stats.target_forwards,
+                "equals_plain": same,
+            }
+        )
         print(f"{i + 1}/{len(prompts)} acceptance {r.stats.mean_acceptance:.2f}", file=sys.stderr, flush=True)
     per = [r["mean_acceptance"] for r in rows]
     summary = {
-        "bundle": str(pair.target_path.parent), "drafter": str(pair.drafter_path), "prompts": len(rows),
-        "max_tokens": args.max_tokens, "block_size": args.block_size,
-        "mean_acceptance": tokens / max(forwards, 1), "per_prompt_median": statistics.median(per),
-        "per_prompt_min": min(per), "per_prompt_max": max(per), "plain_mismatches": mismatches,
-        "rounds_committing_at_least": [sum(n >= k for n in lengths) / max(len(lengths), 1)
-                                       for k in range(1, args.block_size + 1)],
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "rows": rows,
+        "bundle": str(pair.target_path.parent),
+        "drafter": str(pair.drafter_path),
+        "prompts": len(rows),
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "mean_acceptance": tokens / max(forwards, 1),
+        "per_prompt_median": statistics.median(per),
+        "per_prompt_min": min(per),
+        "per_prompt_max": max(per),
+        "plain_mismatches": mismatches,
+        "rounds_committing_at_least": [
+            sum(n >= k for n in lengths) / max(len(lengths), 1) for k in range(1, args.block_size + 1)
+        ],
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))

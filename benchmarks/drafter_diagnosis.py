@@ -56,6 +56,8 @@ def shown(path) -> str:
         if path.is_relative_to(base):
             return name + str(path.relative_to(base))
     return path.name
+
+
 DEFAULT_RESPONSES = ROOT / "benchmarks" / "distill" / "demo2" / "responses.jsonl.gz"
 CACHE = ROOT / "runs" / "drafter_diagnosis"
 
@@ -65,24 +67,39 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(
         description="Per-block-position diagnosis of a DFlash drafter on the demo target: teacher-forced accuracy of "
-                    "the training forward on training answers (a) and on the target's greedy held-out answers (b), "
-                    "real speculative acceptance per position (c), and teacher-forced accuracy of the runtime "
-                    "drafter forward on the same held-out answers (d), which must agree with (b).")
-    ap.add_argument("--drafter", default=str(SHIPPED_DRAFTER), help="drafter directory (default: the shipped demo drafter)")
+        "the training forward on training answers (a) and on the target's greedy held-out answers (b), "
+        "real speculative acceptance per position (c), and teacher-forced accuracy of the runtime "
+        "drafter forward on the same held-out answers (d), which must agree with (b)."
+    )
+    ap.add_argument(
+        "--drafter", default=str(SHIPPED_DRAFTER), help="drafter directory (default: the shipped demo drafter)"
+    )
     ap.add_argument("--answers", type=int, default=200, help="training answers for (a) (default 200)")
     ap.add_argument("--prompts", type=int, default=75, help="held-out prompts for (b)-(d), the first N (default 75)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per held-out answer (default 128)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drafter_diagnosis.json"), help="results JSON")
+    ap.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results" / "drafter_diagnosis.json"), help="results JSON"
+    )
     ap.add_argument("--responses", default=str(DEFAULT_RESPONSES), help="training answers (JSONL or JSONL.gz)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the training-answer sample (default 0)")
-    ap.add_argument("--forward", choices=["auto", "mlx", "torch"], default="auto",
-                    help="training step whose forward (a)/(b) use; auto: the backend in the drafter's training_log.json "
-                         "(mlx when it has none)")
-    ap.add_argument("--features", choices=["auto", "mlx", "torch"], default="auto",
-                    help="feature source for (a)/(b): mlx (the float32 MLX target, what inference feeds) or torch "
-                         "(bfloat16 torch target); auto: what `distill` pairs with the step (torch for torch)")
+    ap.add_argument(
+        "--forward",
+        choices=["auto", "mlx", "torch"],
+        default="auto",
+        help="training step whose forward (a)/(b) use; auto: the backend in the drafter's training_log.json "
+        "(mlx when it has none)",
+    )
+    ap.add_argument(
+        "--features",
+        choices=["auto", "mlx", "torch"],
+        default="auto",
+        help="feature source for (a)/(b): mlx (the float32 MLX target, what inference feeds) or torch "
+        "(bfloat16 torch target); auto: what `distill` pairs with the step (torch for torch)",
+    )
     ap.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'bd' (default abcd)")
-    ap.add_argument("--cache", default=str(CACHE), help="where answers and feature stores are kept (default runs/drafter_diagnosis)")
+    ap.add_argument(
+        "--cache", default=str(CACHE), help="where answers and feature stores are kept (default runs/drafter_diagnosis)"
+    )
     return ap.parse_args(argv)
 
 
@@ -146,8 +163,14 @@ class Tally:
         tags = sorted(set(self.tags))
         if len(tags) < 2:
             return {}
-        return {t: {k: v for k, v in self.summary([i for i, x in enumerate(self.tags) if x == t]).items()
-                    if k in ("anchors", "accuracy", "conditional")} for t in tags}
+        return {
+            t: {
+                k: v
+                for k, v in self.summary([i for i, x in enumerate(self.tags) if x == t]).items()
+                if k in ("anchors", "accuracy", "conditional")
+            }
+            for t in tags
+        }
 
 
 def agreement(x: Tally, y: Tally) -> dict:
@@ -163,8 +186,11 @@ def agreement(x: Tally, y: Tally) -> dict:
         p = x.present[pos[k]]
         same += (x.pred[k] == y.pred[k]) & p
         present += p
-    return {"anchors": len(keys), "same_prediction": [round(float(s) / p, 4) if p else None for s, p in zip(same, present)],
-            "same_prediction_overall": round(float(same.sum() / max(present.sum(), 1)), 4)}
+    return {
+        "anchors": len(keys),
+        "same_prediction": [round(float(s) / p, 4) if p else None for s, p in zip(same, present)],
+        "same_prediction_overall": round(float(same.sum() / max(present.sum(), 1)), 4),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,8 +221,12 @@ def heldout_answers(pair, prompts: list[str], max_tokens: int, cache_dir: Path) 
 
     path = cache_dir / f"heldout_greedy_{max_tokens}.json"
     weights = pair.target_path / "model.safetensors"
-    stamp = {"target": str(pair.target_path), "target_bytes": weights.stat().st_size if weights.is_file() else None,
-             "quantization": pair.quantization, "max_tokens": max_tokens}
+    stamp = {
+        "target": str(pair.target_path),
+        "target_bytes": weights.stat().st_size if weights.is_file() else None,
+        "quantization": pair.quantization,
+        "max_tokens": max_tokens,
+    }
     cached = json.loads(path.read_text()) if path.is_file() else {}
     table = cached.get("answers", {}) if cached.get("stamp") == stamp else {}
     tic, made = time.perf_counter(), 0
@@ -205,11 +235,21 @@ def heldout_answers(pair, prompts: list[str], max_tokens: int, cache_dir: Path) 
             continue
         ids = encode_prompt(pair.tokenizer, [{"role": "user", "content": p}])
         assert ids == chat_prompt_ids(pair.tokenizer, p), "the API and distill render the chat template differently"
-        steps = generate_steps(pair.target, ids, drafter=None, params=SamplingParams(), max_tokens=max_tokens,
-                               stop_ids=pair.tokenizer.eos_token_ids)
+        steps = generate_steps(
+            pair.target,
+            ids,
+            drafter=None,
+            params=SamplingParams(),
+            max_tokens=max_tokens,
+            stop_ids=pair.tokenizer.eos_token_ids,
+        )
         table[p] = {"prompt_ids": ids, "response_ids": [t for s in steps for t in s.tokens]}
         made += 1
-        print(f"[heldout] greedy answer {i + 1}/{len(prompts)} ({len(table[p]['response_ids'])} tokens)", file=sys.stderr, flush=True)
+        print(
+            f"[heldout] greedy answer {i + 1}/{len(prompts)} ({len(table[p]['response_ids'])} tokens)",
+            file=sys.stderr,
+            flush=True,
+        )
         if made % 8 == 0 or i == len(prompts) - 1:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"stamp": stamp, "answers": table}))
@@ -232,8 +272,11 @@ def training_log_backend(drafter_dir: Path) -> str | None:
 
 def config_differences(trainer_cfg, drafter_cfg) -> dict:
     a, b = trainer_cfg.to_dict(), drafter_cfg.to_dict()
-    return {k: {"trainer": a.get(k), "drafter": b.get(k)} for k in sorted(set(a) | set(b))
-            if k != "draft_vocab_size" and a.get(k) != b.get(k)}
+    return {
+        k: {"trainer": a.get(k), "drafter": b.get(k)}
+        for k in sorted(set(a) | set(b))
+        if k != "draft_vocab_size" and a.get(k) != b.get(k)
+    }
 
 
 def build_trainer(pair, records, drafter_dir: Path, forward: str, features: str, cache_dir: Path, name: str):
@@ -247,9 +290,17 @@ def build_trainer(pair, records, drafter_dir: Path, forward: str, features: str,
     from mlx_glimmer.target import head_weight
 
     dcfg = pair.drafter.config
-    config = TrainConfig(layers=dcfg.num_hidden_layers, context_layers=len(dcfg.target_layer_ids), block_size=dcfg.block_size,
-                         anchors=1, sequences_per_step=1, draft_vocab_size=None, init=str(drafter_dir), backend="mlx",
-                         compile=False)
+    config = TrainConfig(
+        layers=dcfg.num_hidden_layers,
+        context_layers=len(dcfg.target_layer_ids),
+        block_size=dcfg.block_size,
+        anchors=1,
+        sequences_per_step=1,
+        draft_vocab_size=None,
+        init=str(drafter_dir),
+        backend="mlx",
+        compile=False,
+    )
     digest = hashlib.sha1(json.dumps([r["prompt_ids"] + r["response_ids"] for r in records]).encode()).hexdigest()[:10]
     source = None
     if features == "torch":
@@ -260,8 +311,10 @@ def build_trainer(pair, records, drafter_dir: Path, forward: str, features: str,
     tr = Trainer(pair.target, records, config, out_dir, mask_token_id=dcfg.mask_token_id, feature_source=source)
     diffs = config_differences(tr.drafter_config, dcfg)
     if list(tr.drafter_config.target_layer_ids) != list(dcfg.target_layer_ids):
-        raise SystemExit(f"the trainer would read target layers {tr.drafter_config.target_layer_ids}, the drafter "
-                         f"{dcfg.target_layer_ids}: not this trainer's drafter")
+        raise SystemExit(
+            f"the trainer would read target layers {tr.drafter_config.target_layer_ids}, the drafter "
+            f"{dcfg.target_layer_ids}: not this trainer's drafter"
+        )
     vocab = pair.drafter.draft_vocab
     vocab = mx.arange(pair.target.vocab_size, dtype=mx.int32) if vocab is None else vocab.astype(mx.int32)
     tr.draft_vocab = vocab
@@ -344,7 +397,7 @@ def teacher_forced(tr, records, forward: str, label: str) -> tuple[Tally, float]
         batch = tr.batch([i], np.random.default_rng(0))
         loss, logits = step_hidden(tr, batch, forward)
         m = logits.max(-1, keepdims=True)
-        lse = (m[..., 0] + np.log(np.exp(logits - m).sum(-1)))
+        lse = m[..., 0] + np.log(np.exp(logits - m).sum(-1))
         labels = batch.labels.reshape(-1, B - 1)
         ce = lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
         pred = vocab[logits.argmax(-1)]
@@ -355,8 +408,15 @@ def teacher_forced(tr, records, forward: str, label: str) -> tuple[Tally, float]
             pos = a + np.arange(1, B)
             present = pos < T
             true = np.where(present, np.concatenate([seq, np.zeros(B, dtype=seq.dtype)])[pos], -1)
-            tally.add((records[i]["index"], records[i]["tag"], a), records[i]["tag"], pred[j], true, present,
-                      batch.valid.reshape(-1, B - 1)[j] > 0, ce[j])
+            tally.add(
+                (records[i]["index"], records[i]["tag"], a),
+                records[i]["tag"],
+                pred[j],
+                true,
+                present,
+                batch.valid.reshape(-1, B - 1)[j] > 0,
+                ce[j],
+            )
         losses.append(loss)
         weights.append(float(batch.valid.sum()))
         if time.perf_counter() - last > 30 or i == len(tr.sequences) - 1:
@@ -389,10 +449,10 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
         cache = target.make_cache(reserve=B + ROLLBACK_SLACK)
         feats = []
         for start in range(0, lp, 512):  # the prompt prefill, as generate_steps chunks it
-            feats.append(target.forward(target.tokens(seq[start:min(lp, start + 512)]), cache, True)[1])
+            feats.append(target.forward(target.tokens(seq[start : min(lp, start + 512)]), cache, True)[1])
             target.sync(feats[-1], cache=cache)
         for start in range(lp, T, B):  # then B tokens per target forward, as verification runs them
-            feats.append(target.forward(target.tokens(seq[start:start + B]), cache, True)[1])
+            feats.append(target.forward(target.tokens(seq[start : start + B]), cache, True)[1])
             target.sync(feats[-1], cache=cache)
         feats = mx.concatenate(feats, axis=0)
         drafter.reset()
@@ -406,8 +466,10 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
             true = np.where(present, padded[pos], -1)
             supervised = present & np.array([vocab is None or int(t) in vocab for t in true])
             tally.add((ans["index"], ans["tag"], a), ans["tag"], pred, true, present, supervised)
-            drafter.observe([seq[a]], feats[a:a + 1])
-        print(f"[{label}] {n + 1}/{len(answers)} answers ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+            drafter.observe([seq[a]], feats[a : a + 1])
+        print(
+            f"[{label}] {n + 1}/{len(answers)} answers ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True
+        )
     return tally
 
 
@@ -438,8 +500,17 @@ def speculative_acceptance(pair, answers: list[dict], max_tokens: int, block_siz
     try:
         for n, ans in enumerate(answers):
             recorded.clear()
-            steps = list(generate_steps(pair.target, ans["prompt_ids"], drafter=drafter, params=SamplingParams(),
-                                        block_size=block_size, max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids))
+            steps = list(
+                generate_steps(
+                    pair.target,
+                    ans["prompt_ids"],
+                    drafter=drafter,
+                    params=SamplingParams(),
+                    block_size=block_size,
+                    max_tokens=max_tokens,
+                    stop_ids=pair.tokenizer.eos_token_ids,
+                )
+            )
             tokens = [t for s in steps for t in s.tokens]
             if tokens != ans["response_ids"]:
                 mismatches.append(ans["index"])
@@ -458,9 +529,20 @@ def speculative_acceptance(pair, answers: list[dict], max_tokens: int, block_siz
                     offered[k - 1] += 1
                     accepted[k - 1] += acc >= k
                 committed_lengths.append(len(s.tokens))
-                rounds_at.append((ans["index"], ans["tag"], position, draft[:acc + 1] if len(draft) > acc else draft, acc, len(draft)))
+                rounds_at.append(
+                    (
+                        ans["index"],
+                        ans["tag"],
+                        position,
+                        draft[: acc + 1] if len(draft) > acc else draft,
+                        acc,
+                        len(draft),
+                    )
+                )
                 position += len(s.tokens)
-            print(f"[c] {n + 1}/{len(answers)} prompts ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[c] {n + 1}/{len(answers)} prompts ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True
+            )
     finally:
         del drafter.propose
     rounds = len(committed_lengths)
@@ -470,8 +552,9 @@ def speculative_acceptance(pair, answers: list[dict], max_tokens: int, block_siz
         "tokens_per_forward": round(sum(committed_lengths) / max(rounds, 1), 4),
         "conditional_acceptance": [round(float(a) / o, 4) if o else None for a, o in zip(accepted, offered)],
         "offered_given_previous_accepted": [int(x) for x in offered],
-        "rounds_committing_at_least": [round(sum(m >= k for m in committed_lengths) / max(rounds, 1), 4)
-                                       for k in range(1, block_size + 1)],
+        "rounds_committing_at_least": [
+            round(sum(m >= k for m in committed_lengths) / max(rounds, 1), 4) for k in range(1, block_size + 1)
+        ],
         "outputs_equal_plain_greedy": len(answers) - len(mismatches),
         "mismatched_prompts": mismatches,
         "seconds": round(time.perf_counter() - tic, 1),
@@ -495,8 +578,13 @@ def rounds_vs_teacher_forced(rounds_at: list, d: Tally) -> dict:
             same += int(sum(int(a) == int(b) for a, b in zip(draft, pred)))
             shown += len(draft)
     s = d.summary(select) if select else {}
-    return {"anchors": len(select), "conditional": s.get("conditional"), "accuracy_all": s.get("accuracy_all"),
-            "draft_tokens_equal_to_real_drafts": round(same / max(shown, 1), 4), "draft_tokens_compared": shown}
+    return {
+        "anchors": len(select),
+        "conditional": s.get("conditional"),
+        "accuracy_all": s.get("accuracy_all"),
+        "draft_tokens_equal_to_real_drafts": round(same / max(shown, 1), 4),
+        "draft_tokens_compared": shown,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -507,15 +595,17 @@ def fmt(x):
 
 
 def print_table(results: dict, K: int) -> None:
-    cols = [("a train TF", results.get("a_training_teacher_forced", {}).get("accuracy")),
-            ("b heldout TF", results.get("b_heldout_teacher_forced", {}).get("accuracy")),
-            ("b mlx-f32", results.get("b_heldout_teacher_forced_mlx_f32", {}).get("accuracy")),
-            ("d runtime TF", results.get("d_heldout_runtime_teacher_forced", {}).get("accuracy")),
-            ("b cond", results.get("b_heldout_teacher_forced", {}).get("conditional")),
-            ("d cond", results.get("d_heldout_runtime_teacher_forced", {}).get("conditional")),
-            ("c accept|prev", results.get("c_speculative", {}).get("conditional_acceptance")),
-            ("c P(>=k+1)", (results.get("c_speculative", {}).get("rounds_committing_at_least") or [None])[1:]),
-            ("b=d pred", results.get("agreement", {}).get("b_vs_d", {}).get("same_prediction"))]
+    cols = [
+        ("a train TF", results.get("a_training_teacher_forced", {}).get("accuracy")),
+        ("b heldout TF", results.get("b_heldout_teacher_forced", {}).get("accuracy")),
+        ("b mlx-f32", results.get("b_heldout_teacher_forced_mlx_f32", {}).get("accuracy")),
+        ("d runtime TF", results.get("d_heldout_runtime_teacher_forced", {}).get("accuracy")),
+        ("b cond", results.get("b_heldout_teacher_forced", {}).get("conditional")),
+        ("d cond", results.get("d_heldout_runtime_teacher_forced", {}).get("conditional")),
+        ("c accept|prev", results.get("c_speculative", {}).get("conditional_acceptance")),
+        ("c P(>=k+1)", (results.get("c_speculative", {}).get("rounds_committing_at_least") or [None])[1:]),
+        ("b=d pred", results.get("agreement", {}).get("b_vs_d", {}).get("same_prediction")),
+    ]
     cols = [(n, v) for n, v in cols if v]
     print("pos " + " ".join(f"{n:>13}" for n, _ in cols))
     for k in range(K):
@@ -547,12 +637,23 @@ def main(argv=None) -> int:
     features = args.features if args.features != "auto" else ("torch" if forward == "torch" else "mlx")
     results = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "settings": {"drafter": shown(drafter_dir), "bundle": shown(pair.target_path.parent), "target": pair.quantization,
-                     "answers": args.answers, "prompts": args.prompts, "max_tokens": args.max_tokens, "block_size": B,
-                     "sampling": "greedy", "chat_template": True, "seed": args.seed, "responses": shown(args.responses),
-                     "training_forward": forward, "training_features": features,
-                     "drafter_training_backend": logged, "draft_vocab": None if pair.drafter.draft_vocab is None
-                     else int(pair.drafter.draft_vocab.shape[0])},
+        "settings": {
+            "drafter": shown(drafter_dir),
+            "bundle": shown(pair.target_path.parent),
+            "target": pair.quantization,
+            "answers": args.answers,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "block_size": B,
+            "sampling": "greedy",
+            "chat_template": True,
+            "seed": args.seed,
+            "responses": shown(args.responses),
+            "training_forward": forward,
+            "training_features": features,
+            "drafter_training_backend": logged,
+            "draft_vocab": None if pair.drafter.draft_vocab is None else int(pair.drafter.draft_vocab.shape[0]),
+        },
         "seconds": {},
     }
 
@@ -568,8 +669,11 @@ def main(argv=None) -> int:
     if set(args.parts) & set("bcd"):
         heldout, secs = heldout_answers(pair, prompts, args.max_tokens, cache_dir)
         results["seconds"]["heldout_answers"] = round(secs, 1)
-        results["heldout_answers"] = {"count": len(heldout), "tokens": sum(len(a["response_ids"]) for a in heldout),
-                                      "cache": shown(cache_dir / f"heldout_greedy_{args.max_tokens}.json")}
+        results["heldout_answers"] = {
+            "count": len(heldout),
+            "tokens": sum(len(a["response_ids"]) for a in heldout),
+            "cache": shown(cache_dir / f"heldout_greedy_{args.max_tokens}.json"),
+        }
 
     if "a" in args.parts:
         tic = time.perf_counter()
@@ -577,9 +681,15 @@ def main(argv=None) -> int:
         tr, diffs = build_trainer(pair, records, drafter_dir, forward, features, cache_dir, "train")
         tally, loss = teacher_forced(tr, records, forward, "a")
         tallies["a"] = tally
-        results["a_training_teacher_forced"] = {"forward": forward, "features": features, "answers": len(records),
-                                                "tags": {t: sum(r["tag"] == t for r in records) for t in sorted({r["tag"] for r in records})},
-                                                "loss": loss, **tally.summary(), "by_tag": tally.by_tag()}
+        results["a_training_teacher_forced"] = {
+            "forward": forward,
+            "features": features,
+            "answers": len(records),
+            "tags": {t: sum(r["tag"] == t for r in records) for t in sorted({r["tag"] for r in records})},
+            "loss": loss,
+            **tally.summary(),
+            "by_tag": tally.by_tag(),
+        }
         results["trainer_vs_drafter_config"] = diffs
         results["seconds"]["a"] = round(time.perf_counter() - tic, 1)
         write()
@@ -602,15 +712,23 @@ def main(argv=None) -> int:
         tic = time.perf_counter()
         d = inference_teacher_forced(pair, heldout)
         tallies["d"] = d
-        results["d_heldout_runtime_teacher_forced"] = {"forward": "DFlashDrafter (runtime), float32 MLX target features",
-                                                       "answers": len(heldout), **d.summary()}
+        results["d_heldout_runtime_teacher_forced"] = {
+            "forward": "DFlashDrafter (runtime), float32 MLX target features",
+            "answers": len(heldout),
+            **d.summary(),
+        }
         results["seconds"]["d"] = round(time.perf_counter() - tic, 1)
         agree = {}
-        for name, key in (("b_heldout_teacher_forced", "b_vs_d"), ("b_heldout_teacher_forced_mlx_f32", "b_mlx_f32_vs_d")):
+        for name, key in (
+            ("b_heldout_teacher_forced", "b_vs_d"),
+            ("b_heldout_teacher_forced_mlx_f32", "b_mlx_f32_vs_d"),
+        ):
             if name in tallies:
                 agree[key] = agreement(tallies[name], d)
         if "b_heldout_teacher_forced" in tallies and "b_heldout_teacher_forced_mlx_f32" in tallies:
-            agree["b_vs_b_mlx_f32"] = agreement(tallies["b_heldout_teacher_forced"], tallies["b_heldout_teacher_forced_mlx_f32"])
+            agree["b_vs_b_mlx_f32"] = agreement(
+                tallies["b_heldout_teacher_forced"], tallies["b_heldout_teacher_forced_mlx_f32"]
+            )
         results["agreement"] = agree
         write()
 

@@ -70,12 +70,14 @@ print("RESULT " + json.dumps(out))
 def worktree(commit: str) -> Path:
     """A detached worktree of `commit` under /tmp (made once; this repository's branches and index stay as
     they are)."""
-    full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", commit], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    full = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", commit], capture_output=True, text=True, check=True
+    ).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"mlx-glimmer-{full[:12]}"
     if not (path / "mlx_glimmer").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), full], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), full], check=True, capture_output=True
+        )
     return path
 
 
@@ -106,27 +108,56 @@ def tiny_pair(where: Path) -> tuple[Path, Path]:
 
 
 def run_worker(tree: Path, target: Path, drafter: Path, args, env: dict) -> list[dict]:
-    cmd = [sys.executable, "-c", WORKER, str(tree), str(target), str(drafter), str(args.block_size), str(args.tokens),
-           str(args.measures), str(args.warmup), json.dumps(PROMPT)]
+    cmd = [
+        sys.executable,
+        "-c",
+        WORKER,
+        str(tree),
+        str(target),
+        str(drafter),
+        str(args.block_size),
+        str(args.tokens),
+        str(args.measures),
+        str(args.warmup),
+        json.dumps(PROMPT),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"worker for {tree} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def bench_full(tree: Path, bundle: Path, drafter: Path | None, sizes: str, out: Path, env: dict) -> dict:
     code = "import sys; sys.path.insert(0, sys.argv[1]); from mlx_glimmer.cli import main; sys.exit(main(sys.argv[2:]))"
-    cmd = [sys.executable, "-c", code, str(tree), "bench", str(bundle), "--full", "--no-baseline", "--block-sizes", sizes,
-           "--json-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        str(tree),
+        "bench",
+        str(bundle),
+        "--full",
+        "--no-baseline",
+        "--block-sizes",
+        sizes,
+        "--json-out",
+        str(out),
+    ]
     if drafter is not None:
         cmd += ["--drafter", str(drafter)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise SystemExit(f"bench in {tree} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     report = json.loads(out.read_text())
-    return {m: {"tokens_per_second": r["tokens_per_second"], "median_speedup_over_plain": r["median_speedup_over_plain"],
-                "mismatches": r["mismatches"]} for m, r in report["results"].items()}
+    return {
+        m: {
+            "tokens_per_second": r["tokens_per_second"],
+            "median_speedup_over_plain": r["median_speedup_over_plain"],
+            "mismatches": r["mismatches"],
+        }
+        for m, r in report["results"].items()
+    }
 
 
 def main(argv=None) -> int:
@@ -154,17 +185,27 @@ def main(argv=None) -> int:
         for side in ("old", "new") if rep % 2 == 0 else ("new", "old"):
             runs[side] += run_worker(trees[side], target, drafter, args, env)
             last = runs[side][-1]
-            print(f"[loop_overhead] pass {rep + 1}/{args.repeats} {side}: {last['rounds_per_second']:.1f} rounds/s "
-                  f"({last['rounds']} rounds, {last['tokens']} tokens)", file=sys.stderr, flush=True)
+            print(
+                f"[loop_overhead] pass {rep + 1}/{args.repeats} {side}: {last['rounds_per_second']:.1f} rounds/s "
+                f"({last['rounds']} rounds, {last['tokens']} tokens)",
+                file=sys.stderr,
+                flush=True,
+            )
     median = {side: statistics.median(r["rounds_per_second"] for r in rs) for side, rs in runs.items()}
     shas = {r["tokens_sha"] for rs in runs.values() for r in rs}
     report = {
         "what": "rounds per second of generate_steps, tiny Muse pair, greedy, fixed block size",
-        "block_size": args.block_size, "tokens": args.tokens, "prompt": PROMPT,
+        "block_size": args.block_size,
+        "tokens": args.tokens,
+        "prompt": PROMPT,
         "trees": {"old": f"{args.old} ({trees['old']})", "new": args.new or f"working tree ({ROOT})"},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-                    "blas": env.get("MLX_GLIMMER_BLAS"), "threads": args.threads},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "blas": env.get("MLX_GLIMMER_BLAS"),
+            "threads": args.threads,
+        },
         "runs": runs,
         "median_rounds_per_second": median,
         "ratio_new_over_old": median["new"] / median["old"],
@@ -178,20 +219,33 @@ def main(argv=None) -> int:
         bundle = Path(args.bundle) if args.bundle else demo_bundle()
         scrambled = work / "scrambled"
         if not (scrambled / "config.json").is_file():
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_scrambled_drafter.py"),
-                            str(bundle / "drafter"), str(scrambled)], check=True, env=env)
-        report["bench_full"] = {side: {
-            "shipped": bench_full(tree, bundle, None, "auto,16", work / f"bench_{side}_shipped.json", env),
-            "scrambled": bench_full(tree, bundle, scrambled, "auto", work / f"bench_{side}_scrambled.json", env),
-        } for side, tree in trees.items()}
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "make_scrambled_drafter.py"),
+                    str(bundle / "drafter"),
+                    str(scrambled),
+                ],
+                check=True,
+                env=env,
+            )
+        report["bench_full"] = {
+            side: {
+                "shipped": bench_full(tree, bundle, None, "auto,16", work / f"bench_{side}_shipped.json", env),
+                "scrambled": bench_full(tree, bundle, scrambled, "auto", work / f"bench_{side}_scrambled.json", env),
+            }
+            for side, tree in trees.items()
+        }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"| tree | rounds/s (median of {len(runs['new'])}) |\n|---|---|")
     for side in ("old", "new"):
         print(f"| {report['trees'][side]} | {median[side]:.1f} |")
-    print(f"new / old: {report['ratio_new_over_old']:.2f}x (issue 25 asks >= 1.2x); "
-          f"outputs {'identical' if report['outputs_identical'] else 'DIFFER'}")
+    print(
+        f"new / old: {report['ratio_new_over_old']:.2f}x (issue 25 asks >= 1.2x); "
+        f"outputs {'identical' if report['outputs_identical'] else 'DIFFER'}"
+    )
     for side, methods in report.get("bench_full", {}).items():
         for drafter_name, res in methods.items():
             ratios = ", ".join(f"{m} {r['median_speedup_over_plain']:.2f}x" for m, r in res.items() if m != "plain")

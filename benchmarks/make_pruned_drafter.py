@@ -33,7 +33,9 @@ def main() -> None:
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith((".jinja", "special_tokens_map.json", "generation_config.json")):
+        if f.name.startswith("tokenizer") or f.name.endswith(
+            (".jinja", "special_tokens_map.json", "generation_config.json")
+        ):
             shutil.copy(f, out / f.name)
     print(out)
 

@@ -35,8 +35,13 @@ def run_points(run: Path) -> dict:
         "backend": config.get("backend"),
         "eval": log.get("eval"),
         "points": [
-            {"step": e["step"], "target_tokens_seen": e["target_tokens_seen"], "sequences_seen": e["sequences_seen"],
-             "mean_acceptance": e["mean_acceptance"], "block_positions_per_second": e.get("block_positions_per_second")}
+            {
+                "step": e["step"],
+                "target_tokens_seen": e["target_tokens_seen"],
+                "sequences_seen": e["sequences_seen"],
+                "mean_acceptance": e["mean_acceptance"],
+                "block_positions_per_second": e.get("block_positions_per_second"),
+            }
             for e in points
         ],
     }

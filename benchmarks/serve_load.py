@@ -28,8 +28,24 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 
-TOPICS = ["the moon", "bread", "volcanoes", "chess", "bees", "rivers", "glass", "trains", "owls", "paper",
-          "clouds", "copper", "tea", "whales", "maps", "salt"]
+TOPICS = [
+    "the moon",
+    "bread",
+    "volcanoes",
+    "chess",
+    "bees",
+    "rivers",
+    "glass",
+    "trains",
+    "owls",
+    "paper",
+    "clouds",
+    "copper",
+    "tea",
+    "whales",
+    "maps",
+    "salt",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -42,8 +58,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(bundle: str | None, max_queue: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", *([bundle] if bundle else []), "--port", "0",
-           "--max-queue", str(max_queue)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_glimmer.cli",
+        "serve",
+        *([bundle] if bundle else []),
+        "--port",
+        "0",
+        "--max-queue",
+        str(max_queue),
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if " at http://" in line:
@@ -61,8 +86,14 @@ def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: 
         start = time.perf_counter()
         first, text, usage, stats, error = None, [], None, {}, None
         try:
-            stream = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
-                                                    temperature=0, stream=True, stream_options={"include_usage": True})
+            stream = client.chat.completions.create(
+                model="default",
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.perf_counter()
@@ -74,12 +105,19 @@ def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: 
         except openai.APIError as e:
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
-        records.append({
-            "client": index, "turn": turn, "latency_s": end - start,
-            "ttft_s": (first - start) if first else None, "completion_tokens": usage.completion_tokens if usage else 0,
-            "prompt_tokens": usage.prompt_tokens if usage else 0, "prefill_tokens": stats.get("prefill_tokens"),
-            "queue_wait_s": stats.get("queue_wait_s"), "error": error,
-        })
+        records.append(
+            {
+                "client": index,
+                "turn": turn,
+                "latency_s": end - start,
+                "ttft_s": (first - start) if first else None,
+                "completion_tokens": usage.completion_tokens if usage else 0,
+                "prompt_tokens": usage.prompt_tokens if usage else 0,
+                "prefill_tokens": stats.get("prefill_tokens"),
+                "queue_wait_s": stats.get("queue_wait_s"),
+                "error": error,
+            }
+        )
         if error:
             break
         messages += [{"role": "assistant", "content": "".join(text)}, {"role": "user", "content": "Tell me more."}]
@@ -114,8 +152,13 @@ def main() -> int:
         deadline = time.monotonic() + args.time_limit
         wall = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
-            records = [r for rs in pool.map(lambda i: run_conversation(client, i, args.turns, args.max_tokens, deadline),
-                                            range(args.clients)) for r in rs]
+            records = [
+                r
+                for rs in pool.map(
+                    lambda i: run_conversation(client, i, args.turns, args.max_tokens, deadline), range(args.clients)
+                )
+                for r in rs
+            ]
         wall = time.perf_counter() - wall
         after = scrape(root)
     finally:
@@ -130,21 +173,35 @@ def main() -> int:
     follow = [r for r in ok if r["turn"] > 0 and r["prompt_tokens"]]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("_total")}
     summary = {
-        "requests": len(records), "errors": len(records) - len(ok), "clients": args.clients, "turns": args.turns,
-        "max_tokens": args.max_tokens, "wall_s": wall,
-        "latency_s": {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99),
-                      "max": max(lat, default=float("nan"))},
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "clients": args.clients,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "wall_s": wall,
+        "latency_s": {
+            "p50": percentile(lat, 0.5),
+            "p90": percentile(lat, 0.9),
+            "p99": percentile(lat, 0.99),
+            "max": max(lat, default=float("nan")),
+        },
         "ttft_s": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99)},
-        "throughput": {"completion_tokens_per_s": tokens / wall, "requests_per_s": len(ok) / wall,
-                       "completion_tokens": tokens},
+        "throughput": {
+            "completion_tokens_per_s": tokens / wall,
+            "requests_per_s": len(ok) / wall,
+            "completion_tokens": tokens,
+        },
         "follow_up_prefill_fraction": statistics.mean(r["prefill_tokens"] / r["prompt_tokens"] for r in follow)
-        if follow else None,
-        "server": {"mean_acceptance": after.get("glimmer_mean_acceptance"),
-                   "prefix_cache_hits": delta.get("glimmer_prefix_cache_hits_total"),
-                   "prefix_cache_misses": delta.get("glimmer_prefix_cache_misses_total"),
-                   "reused_tokens": delta.get("glimmer_reused_tokens_total"),
-                   "prefill_tokens": delta.get("glimmer_prefill_tokens_total"),
-                   "peak_memory_bytes": after.get("glimmer_peak_memory_bytes")},
+        if follow
+        else None,
+        "server": {
+            "mean_acceptance": after.get("glimmer_mean_acceptance"),
+            "prefix_cache_hits": delta.get("glimmer_prefix_cache_hits_total"),
+            "prefix_cache_misses": delta.get("glimmer_prefix_cache_misses_total"),
+            "reused_tokens": delta.get("glimmer_reused_tokens_total"),
+            "prefill_tokens": delta.get("glimmer_prefill_tokens_total"),
+            "peak_memory_bytes": after.get("glimmer_peak_memory_bytes"),
+        },
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "note": args.note,
     }

@@ -65,8 +65,16 @@ def main() -> int:
     pair = mlx_glimmer.load(demo_bundle(), use_drafter=False)
     records = [r for r in read_records(Path(args.run_dir) / "data" / "responses.jsonl") if len(r["response_ids"]) >= 2]
     mask = int(pair.tokenizer.vocab["<|endoftext|>"])
-    config = TrainConfig(layers=2, anchors=64, sequences_per_step=4, draft_vocab_size=8192, steps=10**6, warmup=10,
-                         backend="torch", compile=True)
+    config = TrainConfig(
+        layers=2,
+        anchors=64,
+        sequences_per_step=4,
+        draft_vocab_size=8192,
+        steps=10**6,
+        warmup=10,
+        backend="torch",
+        compile=True,
+    )
     work = Path(args.run_dir) / "step_shapes"
     source = linked_features(Path(args.features_dir), records, pair, work)
     if source is None:
@@ -95,7 +103,8 @@ def main() -> int:
     rate = {k: p / s for k, (p, s) in totals.items()}
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "block_positions_per_second": rate, "static_over_dynamic": rate["static"] / rate["dynamic"],
+        "block_positions_per_second": rate,
+        "static_over_dynamic": rate["static"] / rate["dynamic"],
         "context_widths": sorted({b.ctx.shape[1] for batches in rounds for b in batches}),
         "compile_and_first_steps_seconds": compile_s,
         "head_loss_ms_by_chunk_rows": chunk_sweep(4 * 64 * 15, static.head_bf16),

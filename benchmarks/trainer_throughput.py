@@ -49,7 +49,9 @@ OLD_COMMIT = "c12d381"
 
 
 def old_trainer_module():
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:mlx_glimmer/distill/train.py"], capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{OLD_COMMIT}:mlx_glimmer/distill/train.py"], capture_output=True, text=True, check=True
+    ).stdout
     source = source.replace("from ..drafter import", "from ..drafters.dflash import")  # its import, at today's path
     path = Path(tempfile.mkdtemp()) / "train_old.py"
     path.write_text(source)
@@ -68,9 +70,13 @@ def linked_features(features: Path, records: list[dict], pair, run_dir: Path):
         sys.exit(f"error: {features / 'features.json'} not found (--features-dir takes a distill run's features/)")
     source_name = json.loads((features / "features.json").read_text()).get("source", MLXFeatures.name)
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
-    if stored_sequences(features, lengths, dflash_target_layer_ids(pair.target.num_layers, TrainConfig().context_layers), source_name) < len(records):
-        sys.exit(f"error: {features} holds the features of other answers (or is unfinished); "
-                 "pass the run's own --records, or drop --features-dir")
+    if stored_sequences(
+        features, lengths, dflash_target_layer_ids(pair.target.num_layers, TrainConfig().context_layers), source_name
+    ) < len(records):
+        sys.exit(
+            f"error: {features} holds the features of other answers (or is unfinished); "
+            "pass the run's own --records, or drop --features-dir"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "features").exists():
         (run_dir / "features").symlink_to(features.resolve())
@@ -117,7 +123,10 @@ def kernel_comparison(rows: int, hidden: int, inter: int, vocab: int, repeats: i
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((rows, hidden)).astype(np.float32)
-    w = [rng.standard_normal(s).astype(np.float32) * 0.02 for s in ((hidden, inter), (hidden, inter), (inter, hidden), (hidden, vocab))]
+    w = [
+        rng.standard_normal(s).astype(np.float32) * 0.02
+        for s in ((hidden, inter), (hidden, inter), (inter, hidden), (hidden, vocab))
+    ]
 
     def f_mlx(ws, x):
         g, u, d, h = ws
@@ -147,8 +156,15 @@ def kernel_comparison(rows: int, hidden: int, inter: int, vocab: int, repeats: i
             t.grad = None
         f_torch().backward()
     t_torch = (time.perf_counter() - tic) / repeats
-    return {"rows": rows, "hidden": hidden, "intermediate": inter, "vocab": vocab, "mlx_s": t_mlx, "torch_s": t_torch,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "rows": rows,
+        "hidden": hidden,
+        "intermediate": inter,
+        "vocab": vocab,
+        "mlx_s": t_mlx,
+        "torch_s": t_torch,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def main() -> int:
@@ -174,16 +190,31 @@ def main() -> int:
     work = Path(tempfile.mkdtemp())
 
     old_mod = old_trainer_module()
-    old = old_mod.Trainer(pair.target, records, old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10), work / "old", mask_token_id=mask)
+    old = old_mod.Trainer(
+        pair.target,
+        records,
+        old_mod.TrainConfig(layers=2, anchors=32, steps=10**6, warmup=10),
+        work / "old",
+        mask_token_id=mask,
+    )
     # (the old trainer computes a sequence's features in batch(), which runs outside its timer)
     source = linked_features(Path(args.features_dir), records, pair, work / "new") if args.features_dir else None
 
     trainers = {"old": (old, timed_old_steps)}
     skip = args.skip.split(",")
     for backend in [b for b in ("mlx", "torch") if b not in skip and (b == "mlx" or importlib.util.find_spec("torch"))]:
-        cfg = TrainConfig(layers=2, anchors=args.anchors, sequences_per_step=args.sequences_per_step,
-                          draft_vocab_size=args.draft_vocab, steps=10**6, warmup=10, backend=backend)
-        tr = Trainer(pair.target, records, cfg, work / "new", mask_token_id=mask, feature_source=source)  # one store for both
+        cfg = TrainConfig(
+            layers=2,
+            anchors=args.anchors,
+            sequences_per_step=args.sequences_per_step,
+            draft_vocab_size=args.draft_vocab,
+            steps=10**6,
+            warmup=10,
+            backend=backend,
+        )
+        tr = Trainer(
+            pair.target, records, cfg, work / "new", mask_token_id=mask, feature_source=source
+        )  # one store for both
         tr.features.ensure()
         trainers[f"new_{backend}"] = (tr, timed_new_steps)
     warm_up_s = {}
@@ -203,16 +234,30 @@ def main() -> int:
     rate = {k: p / s for k, (p, s) in totals.items()}
     new = trainers["new_mlx"][0] if "new_mlx" in trainers else trainers["new_torch"][0]
     rows = args.anchors * args.sequences_per_step * (new.config.block_size - 1)
-    kernels = [] if args.no_kernels else [kernel_comparison(rows, pair.target.hidden_size, int(pair.target.args.intermediate_size), v)
-               for v in (int(old.draft_vocab.shape[0]), int(new.draft_vocab.shape[0]))]
+    kernels = (
+        []
+        if args.no_kernels
+        else [
+            kernel_comparison(rows, pair.target.hidden_size, int(pair.target.args.intermediate_size), v)
+            for v in (int(old.draft_vocab.shape[0]), int(new.draft_vocab.shape[0]))
+        ]
+    )
     report = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "records": len(records), "target_tokens": tokens,
-        "old": {"commit": OLD_COMMIT, "config": "2 layers, 1 answer x 32 anchors per step, draft vocab = every emitted token",
-                "draft_vocab": int(old.draft_vocab.shape[0]), "block_positions_per_second": rate["old"]},
-        "new": {"config": f"2 layers, {args.sequences_per_step} answers x {args.anchors} anchors per step, draft vocab top {args.draft_vocab}",
-                "draft_vocab": int(new.draft_vocab.shape[0]), "vocab_coverage": new.vocab_coverage,
-                **{f"block_positions_per_second_{k[4:]}": v for k, v in rate.items() if k.startswith("new_")}},
+        "records": len(records),
+        "target_tokens": tokens,
+        "old": {
+            "commit": OLD_COMMIT,
+            "config": "2 layers, 1 answer x 32 anchors per step, draft vocab = every emitted token",
+            "draft_vocab": int(old.draft_vocab.shape[0]),
+            "block_positions_per_second": rate["old"],
+        },
+        "new": {
+            "config": f"2 layers, {args.sequences_per_step} answers x {args.anchors} anchors per step, draft vocab top {args.draft_vocab}",
+            "draft_vocab": int(new.draft_vocab.shape[0]),
+            "vocab_coverage": new.vocab_coverage,
+            **{f"block_positions_per_second_{k[4:]}": v for k, v in rate.items() if k.startswith("new_")},
+        },
         "speedup": {k[4:]: v / rate["old"] for k, v in rate.items() if k.startswith("new_")},
         "warm_up_seconds": warm_up_s,  # outside the timer: compiling (once per context width) and the first steps
         "kernels_mlx_vs_torch": kernels,

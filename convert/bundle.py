@@ -26,8 +26,18 @@ from .safetensors_stream import write_model_shards
 from .sources import Source, resolve
 from .target_plan import plan_target, target_shape_probe
 
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -167,9 +177,7 @@ def convert(
         progress.start(sum(p.source_bytes for p in plans), sum(len(p.items) for p in plans))
         reports = [_report(p, _write_model(p, staging / p.name, max_shard_bytes, progress)) for p in plans]
         progress.close()
-        files = {
-            f.relative_to(staging).as_posix(): sha256(f) for f in sorted(staging.rglob("*")) if f.is_file()
-        }
+        files = {f.relative_to(staging).as_posix(): sha256(f) for f in sorted(staging.rglob("*")) if f.is_file()}
         manifest = {
             "format": BUNDLE_FORMAT,
             "target": "target",

@@ -45,7 +45,9 @@ def add_convert_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("--target", required=True, metavar="SRC", help="target checkpoint: directory, repo id or .gguf file")
-    c.add_argument("--drafter", metavar="SRC", help="DFlash drafter checkpoint (muse_glimmer_assistant): directory or repo id")
+    c.add_argument(
+        "--drafter", metavar="SRC", help="DFlash drafter checkpoint (muse_glimmer_assistant): directory or repo id"
+    )
     c.add_argument("--out", required=True, metavar="BUNDLE", help="bundle directory to create")
     c.add_argument(
         "--bits",
@@ -57,7 +59,11 @@ def add_convert_parser(sub) -> None:
         "in --dtype (default 4). Norms and other 1-D tensors always stay float",
     )
     c.add_argument(
-        "--group-size", type=int, choices=GROUP_SIZES, default=64, metavar="G",
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=64,
+        metavar="G",
         help="quantization group size: 32, 64 or 128 (default 64)",
     )
     c.add_argument(
@@ -67,16 +73,26 @@ def add_convert_parser(sub) -> None:
         help="float type of unquantized weights and of quantization scales (default bfloat16; float16 for a GGUF target)",
     )
     c.add_argument(
-        "--embed-bits", type=int, choices=BITS, default=None, metavar="N",
+        "--embed-bits",
+        type=int,
+        choices=BITS,
+        default=None,
+        metavar="N",
         help="bits for the token embedding and lm_head (default: --bits). 8 with --bits 4 kept more greedy "
         "choices of SmolLM2-135M (70%% vs 56%% agreement with float) and adds about 1.3 GB (+9%%) to the 30B target",
     )
     c.add_argument(
-        "--drafter-bits", type=int, choices=BITS, default=None, metavar="N",
+        "--drafter-bits",
+        type=int,
+        choices=BITS,
+        default=None,
+        metavar="N",
         help="bits for the drafter's weights (default: --bits)",
     )
     c.add_argument(
-        "--max-shard-size", default=DEFAULT_MAX_SHARD, metavar="SIZE",
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD,
+        metavar="SIZE",
         help=f"largest output safetensors file, e.g. 5GB, 500MB (default {DEFAULT_MAX_SHARD})",
     )
     c.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -96,8 +112,14 @@ class BarProgress:
 
         self.total_tensors = total_tensors
         self.bar = tqdm(
-            total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
-            dynamic_ncols=True, leave=False,
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="converting",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            leave=False,
         )
 
     def advance(self, nbytes: int, tensors: int) -> None:

@@ -249,7 +249,10 @@ def llama_config(reader, path: Path, names: set[str]) -> dict:
         config["rope_scaling"] = {"type": "linear", "factor": float(need("llama.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise GlimmerError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
-    for key, field in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+    for key, field in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ):
         value = _meta(reader, field)
         if value is not None:
             config[key] = int(value)
@@ -257,7 +260,12 @@ def llama_config(reader, path: Path, names: set[str]) -> dict:
 
 
 # llama.cpp's special-token ids -> the tokenizer_config names transformers gives them
-SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def gguf_tokenizer_fields(reader) -> tuple[str, dict, dict]:
@@ -301,14 +309,14 @@ def load_gguf_tokenizer(path: Path, reader=None):
         hf_logging.set_verbosity(verbosity)
 
 
-def plan_gguf(
-    source: Source, bits: int, group_size: int, dtype_name: str, embed_bits: int | None = None
-) -> ModelPlan:
+def plan_gguf(source: Source, bits: int, group_size: int, dtype_name: str, embed_bits: int | None = None) -> ModelPlan:
     path = source.path
     reader = _open(path)
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GlimmerError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise GlimmerError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     tensors: dict[str, GGUFTensor] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":

@@ -45,7 +45,9 @@ def match_weights(tensors: Mapping[str, object], model: nn.Module, where: Path, 
     expected = expected_shapes(model)
     missing = [k for k in expected if k not in tensors]
     if missing:
-        raise GlimmerError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all; {what} needs them)")
+        raise GlimmerError(
+            f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all; {what} needs them)"
+        )
     for name, ref in tensors.items():
         if name not in expected:
             raise GlimmerError(f"{_file_of(ref, where)}: unexpected tensor {name} for {what}")

@@ -40,12 +40,34 @@ DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "U8": (np.dtype("u1"), mx.uint8),
     "BOOL": (np.dtype("?"), mx.bool_),
 }
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-            "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
 MX_CODES = {
-    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32",
-    mx.int16: "I16", mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16",
-    mx.uint8: "U8", mx.bool_: "BOOL",
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.int64: "I64",
+    mx.int32: "I32",
+    mx.int16: "I16",
+    mx.int8: "I8",
+    mx.uint64: "U64",
+    mx.uint32: "U32",
+    mx.uint16: "U16",
+    mx.uint8: "U8",
+    mx.bool_: "BOOL",
 }
 FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 
@@ -106,7 +128,9 @@ def read_header(path: Path) -> tuple[dict, int]:
     except OSError as e:
         raise GlimmerError(f"{path}: cannot read ({e.strerror})") from None
     if size < 8 + header_len + end:
-        raise GlimmerError(f"{path}: truncated safetensors file ({size} bytes, its header promises {8 + header_len + end})")
+        raise GlimmerError(
+            f"{path}: truncated safetensors file ({size} bytes, its header promises {8 + header_len + end})"
+        )
     return header, 8 + header_len
 
 
@@ -250,7 +274,11 @@ def _write_shard(items: Sequence[Item], path: Path, on_progress: Callable[[int, 
                 arrays = item.produce(start, stop)
                 mx.eval(arrays)
                 for arr, (pos, row_bytes), (name, code, shape) in zip(arrays, slots, expected):
-                    assert MX_CODES[arr.dtype] == code and tuple(arr.shape[1:]) == tuple(shape[1:]), (name, arr.shape, shape)
+                    assert MX_CODES[arr.dtype] == code and tuple(arr.shape[1:]) == tuple(shape[1:]), (
+                        name,
+                        arr.shape,
+                        shape,
+                    )
                     assert arr.nbytes == row_bytes * (stop - start), (name, arr.shape, shape)
                     f.seek(data_start + pos + start * row_bytes)
                     f.write(_as_bytes(arr))

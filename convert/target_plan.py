@@ -125,4 +125,3 @@ def target_shape_probe(plan: ModelPlan):
     from ..target import Target
 
     return Target(plan.model, plan.config)
-

@@ -68,7 +68,9 @@ def device_name() -> str:
 
     if sys.platform == "darwin":
         try:
-            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+            chip = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             chip = platform.machine()
     else:
@@ -133,13 +135,24 @@ def time_ours(pair, ids, settings: GenerationSettings):
     return result_ids, decode_s, stats
 
 
-def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | str], repeats: int = 1, warmup: int = 1,
-              baseline: bool = True, log=None) -> dict:
+def run_bench(
+    pair,
+    prompts: list,
+    *,
+    max_tokens: int,
+    block_sizes: list[int | str],
+    repeats: int = 1,
+    warmup: int = 1,
+    baseline: bool = True,
+    log=None,
+) -> dict:
     from .generate import encode_prompt
 
     log = log or sys.stderr
     if pair.drafter is None and block_sizes:
-        raise GlimmerError("this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)")
+        raise GlimmerError(
+            "this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)"
+        )
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     methods = (["mlx_lm"] if baseline else []) + ["plain"] + [f"spec_b{b}" for b in block_sizes]
     results = {m: Measurement(m) for m in methods}
@@ -157,32 +170,53 @@ def run_bench(pair, prompts: list, *, max_tokens: int, block_sizes: list[int | s
                     results[m].add(max(len(toks) - 1, 0), dt)
                 else:
                     width = m.removeprefix("spec_b")
-                    settings = GenerationSettings(max_tokens=max_tokens, speculative=m != "plain",
-                                                  block_size="auto" if width in ("auto", "plain") else int(width))
+                    settings = GenerationSettings(
+                        max_tokens=max_tokens,
+                        speculative=m != "plain",
+                        block_size="auto" if width in ("auto", "plain") else int(width),
+                    )
                     toks, dt, stats = time_ours(pair, ids, settings)
-                    results[m].add(max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths,
-                                   stats.verify_widths)
+                    results[m].add(
+                        max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths, stats.verify_widths
+                    )
                 if reference is None:
                     reference = toks
                 elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
                     results[m].mismatches += 1
                     results[m].divergences.append(divergence_report(pair, ids, reference, toks, m, n + 1))
             so_far = ", ".join(f"{m} {r.tokens_per_second:.1f}" for m, r in results.items())
-            print(f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}", file=log, flush=True)
+            print(
+                f"[bench] repeat {rep + 1}/{repeats} prompt {n + 1}/{len(encoded)}: tok/s so far {so_far}",
+                file=log,
+                flush=True,
+            )
     plain = results["plain"].per_prompt_tokens_per_second
-    return {"environment": environment(pair), "max_tokens": max_tokens, "prompts": len(encoded), "repeats": repeats,
-            "results": {m: {**asdict(r), "tokens_per_second": r.tokens_per_second, "mean_acceptance": r.mean_acceptance,
-                            "median_speedup_over_plain": median_speedup(r.per_prompt_tokens_per_second, plain),
-                            "verify_width_histogram": describe(r.widths)}
-                        for m, r in results.items()}}
+    return {
+        "environment": environment(pair),
+        "max_tokens": max_tokens,
+        "prompts": len(encoded),
+        "repeats": repeats,
+        "results": {
+            m: {
+                **asdict(r),
+                "tokens_per_second": r.tokens_per_second,
+                "mean_acceptance": r.mean_acceptance,
+                "median_speedup_over_plain": median_speedup(r.per_prompt_tokens_per_second, plain),
+                "verify_width_histogram": describe(r.widths),
+            }
+            for m, r in results.items()
+        },
+    }
 
 
 def format_table(report: dict) -> str:
     res = report["results"]
     plain = res["plain"]["tokens_per_second"]
     device = report["environment"]["device"]
-    lines = ["| device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token |",
+        "|---|---|---|---|---|---|",
+    ]
     for m, r in res.items():
         if not m.startswith("spec_"):
             continue
@@ -191,7 +225,9 @@ def format_table(report: dict) -> str:
             f"| {device} [{report['environment']['drafter_kind']}, block {m[6:]}] | {plain:.1f} | {r['tokens_per_second']:.1f} | "
             f"{r['tokens_per_second'] / plain:.2f}x | {r['mean_acceptance']:.2f} | {per_token:.3f} |"
         )
-    medians = ", ".join(f"block {m[6:]} {r['median_speedup_over_plain']:.2f}x" for m, r in res.items() if m.startswith("spec_"))
+    medians = ", ".join(
+        f"block {m[6:]} {r['median_speedup_over_plain']:.2f}x" for m, r in res.items() if m.startswith("spec_")
+    )
     if medians:
         lines.append(f"\nmedian per-prompt speed-up over plain: {medians}")
     for m, r in res.items():
@@ -199,18 +235,26 @@ def format_table(report: dict) -> str:
             lines.append(f"\nauto verify widths (width: rounds): {r['verify_width_histogram']}")
     if "mlx_lm" in res:
         base = res["mlx_lm"]["tokens_per_second"]
-        lines.append(f"\nmlx_lm.stream_generate {base:.1f} tok/s; our plain path {plain:.1f} tok/s ({plain / base:.3f}x of mlx-lm)")
+        lines.append(
+            f"\nmlx_lm.stream_generate {base:.1f} tok/s; our plain path {plain:.1f} tok/s ({plain / base:.3f}x of mlx-lm)"
+        )
     bad = {m: r["mismatches"] for m, r in res.items() if r["mismatches"]}
     lines.append("outputs identical across methods" if not bad else f"OUTPUT MISMATCHES: {bad}")
     if bad:
         from .divergence import format_divergence
 
-        lines += [format_divergence(m, d["prompt"], d) for m, r in res.items() for d in r.get("divergences", ())
-                  if d.get("tokens")]
+        lines += [
+            format_divergence(m, d["prompt"], d)
+            for m, r in res.items()
+            for d in r.get("divergences", ())
+            if d.get("tokens")
+        ]
     return "\n".join(lines)
 
 
-def divergence_report(pair, prompt: list[int], reference: list[int], tokens: list[int], method: str, index: int) -> dict:
+def divergence_report(
+    pair, prompt: list[int], reference: list[int], tokens: list[int], method: str, index: int
+) -> dict:
     """A mismatch against the first method's tokens: where, and both kernels' logit margins there (a 1-row step,
     and a verify as wide as `method`'s, or the drafter's block for auto), so a near-tie reads as a tie."""
     from .divergence import explain_divergence
@@ -218,7 +262,9 @@ def divergence_report(pair, prompt: list[int], reference: list[int], tokens: lis
 
     width = method.removeprefix("spec_b")
     width = int(width) if width.isdigit() else (pair.drafter.block_size if pair.drafter is not None else 16)
-    d = explain_divergence(pair.target, mlx_dtype(pair), prompt, reference, tokens, max(width, 2), pair.tokenizer.decode)
+    d = explain_divergence(
+        pair.target, mlx_dtype(pair), prompt, reference, tokens, max(width, 2), pair.tokenizer.decode
+    )
     return {"prompt": index, **(d or {"position": None, "tokens": None, "note": "one output is a prefix of the other"})}
 
 
@@ -230,16 +276,30 @@ def add_bench_parser(sub) -> None:
         "`device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token` and writes JSON.",
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
-    p.add_argument("--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="JSONL prompts (default: held-out set)")
-    p.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="how many prompts, from the top of the file (default 3; 8 with --full)")
-    p.add_argument("--max-tokens", type=positive_int, default=None, help="tokens per answer (default 64; 128 with --full)")
+    p.add_argument(
+        "--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="JSONL prompts (default: held-out set)"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help="how many prompts, from the top of the file (default 3; 8 with --full)",
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=None, help="tokens per answer (default 64; 128 with --full)"
+    )
     p.add_argument("--full", action="store_true", help="the full set: 8 prompts x 128 tokens")
-    p.add_argument("--block-sizes", default=None,
-                   help="comma-separated verify widths (whole numbers >= 1, capped at the drafter's block size) and/or "
-                   "'auto' (default: auto and the drafter's block size)")
-    p.add_argument("--sweep-block-size", action="store_true",
-                   help="every fixed width from 2 to the drafter's block size, and auto, side by side")
+    p.add_argument(
+        "--block-sizes",
+        default=None,
+        help="comma-separated verify widths (whole numbers >= 1, capped at the drafter's block size) and/or "
+        "'auto' (default: auto and the drafter's block size)",
+    )
+    p.add_argument(
+        "--sweep-block-size",
+        action="store_true",
+        help="every fixed width from 2 to the drafter's block size, and auto, side by side",
+    )
     p.add_argument("--repeats", type=positive_int, default=1, help="passes over the prompts (default 1)")
     p.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up prompts (default 1; 0 = none)")
     p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
@@ -257,8 +317,9 @@ def block_sizes(args) -> list[int | str] | None:
     except ValueError:
         sizes = None
     if sizes is None or any(x != AUTO and x < 1 for x in sizes):
-        raise GlimmerError(f"bench: --block-sizes: {args.block_sizes!r} is not a comma-separated list of whole numbers "
-                           ">= 1 and 'auto'")
+        raise GlimmerError(
+            f"bench: --block-sizes: {args.block_sizes!r} is not a comma-separated list of whole numbers >= 1 and 'auto'"
+        )
     return list(dict.fromkeys(sizes))
 
 
@@ -300,8 +361,15 @@ def cmd_bench(args, open_pair) -> int:
         sizes = block_sizes(args) or ([AUTO, pair.drafter.block_size] if pair.drafter is not None else [])
         # a fixed width wider than the drafter can fill runs as its block size (as in generate)
         sizes = list(dict.fromkeys(x if x == AUTO else min(x, widest) for x in sizes))
-    report = run_bench(pair, prompts, max_tokens=max_tokens, block_sizes=sizes, repeats=args.repeats,
-                       warmup=args.warmup, baseline=not args.no_baseline)
+    report = run_bench(
+        pair,
+        prompts,
+        max_tokens=max_tokens,
+        block_sizes=sizes,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        baseline=not args.no_baseline,
+    )
     report["command"] = " ".join(sys.argv)
     print(format_table(report))
     if args.json_out:

@@ -73,7 +73,11 @@ def system_libraries(soname: str) -> list[str]:
 
 
 def _site_dirs() -> list[Path]:
-    return [Path(p) for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]) if p]
+    return [
+        Path(p)
+        for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path])
+        if p
+    ]
 
 
 def gfortran_links(cache: Path) -> str | None:
@@ -183,4 +187,6 @@ def check_fast_blas() -> None:
 
     library = sgemm_library()
     if not is_fast(library):
-        warn_once(f"MLX's matrix products run on a slow reference BLAS ({library or 'the one bundled with MLX'}). Fix: {FIX}")
+        warn_once(
+            f"MLX's matrix products run on a slow reference BLAS ({library or 'the one bundled with MLX'}). Fix: {FIX}"
+        )

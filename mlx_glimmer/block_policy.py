@@ -142,8 +142,9 @@ def chip_name() -> str:
     carry over to another of the same architecture."""
     if sys.platform == "darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                 timeout=5).stdout.strip()
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
             if out:
                 return out
         except (OSError, subprocess.SubprocessError):
@@ -265,8 +266,10 @@ class WidthPolicy:
         self._interval = self._interval or self.probe_interval
         expected, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
         draft = self.draft_seconds or 0.0
-        best = max(range(1, self.max_width + 1),
-                   key=lambda w: expected[w - 1] / max(costs[w - 1] + (draft if w > 1 else 0.0), 1e-9))
+        best = max(
+            range(1, self.max_width + 1),
+            key=lambda w: expected[w - 1] / max(costs[w - 1] + (draft if w > 1 else 0.0), 1e-9),
+        )
         self._probing = False
         if best > 1:
             self._plain_rounds = 0

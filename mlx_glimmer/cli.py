@@ -123,10 +123,19 @@ def build_parser() -> Parser:
         ),
     )
     d.add_argument("--out", default=None, help="where to build (default: the cache location used by chat/generate)")
-    d.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
-                   help="target bits: 4, 8 or 16 (default: 16 on Linux, 4 on a Mac)")
-    d.add_argument("--dtype", choices=FLOAT_DTYPE_NAMES, default=None,
-                   help="float dtype (default: float32 on Linux, float16 on a Mac)")
+    d.add_argument(
+        "--bits",
+        type=int,
+        choices=(4, 8, 16),
+        default=None,
+        help="target bits: 4, 8 or 16 (default: 16 on Linux, 4 on a Mac)",
+    )
+    d.add_argument(
+        "--dtype",
+        choices=FLOAT_DTYPE_NAMES,
+        default=None,
+        help="float dtype (default: float32 on Linux, float16 on a Mac)",
+    )
     d.add_argument("--no-drafter", action="store_true", help="target only")
     d.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
@@ -142,16 +151,22 @@ def build_parser() -> Parser:
         epilog=(
             "BUNDLE or MESSAGE: a first argument that names an existing directory, or looks like a path (one word "
             "with a '/', or starting with '.' or '~'), is the BUNDLE; anything else is the first MESSAGE, sent as "
-            "soon as the model is loaded. With both, the BUNDLE comes first: mlx-glimmer chat ./bundle \"hello\". "
+            'soon as the model is loaded. With both, the BUNDLE comes first: mlx-glimmer chat ./bundle "hello". '
             "--resume takes an optional value, so put a message before it, or after an explicit ID or 'last'."
         ),
     )
     c.add_argument(
-        "words", nargs="*", metavar="[BUNDLE] [MESSAGE]",
+        "words",
+        nargs="*",
+        metavar="[BUNDLE] [MESSAGE]",
         help="bundle or model directory (default: the embedded demo pair), then a first message to send",
     )
     c.add_argument(
-        "--resume", nargs="?", const="last", default=None, metavar="ID|last",
+        "--resume",
+        nargs="?",
+        const="last",
+        default=None,
+        metavar="ID|last",
         help="continue a saved conversation (default: the last one) with its settings; its cache is rebuilt",
     )
     c.trailing_words = "words"  # mlx-glimmer chat ./bundle --temp 0.5 "hello"
@@ -175,8 +190,17 @@ def build_parser() -> Parser:
 
 
 # chat flag dest -> chat Settings field
-CHAT_FLAGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-              "block_size": "block_size", "no_spec": "speculative", "system": "system", "reasoning": "reasoning"}
+CHAT_FLAGS = {
+    "max_tokens": "max_tokens",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "block_size": "block_size",
+    "no_spec": "speculative",
+    "system": "system",
+    "reasoning": "reasoning",
+}
 
 
 def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True, **kwargs):
@@ -327,8 +351,16 @@ def cmd_chat(args) -> int:
 
     # The drafter is loaded even with --no-spec, so `/spec on` can turn it on.
     # A resumed chat takes its stored settings, then the flags given here.
-    return run(lambda: open_pair(bundle, args.drafter), settings, source=bundle or "the demo pair", store=store,
-               store_warning=warning, resume=resume, first_message=message, overrides=given)
+    return run(
+        lambda: open_pair(bundle, args.drafter),
+        settings,
+        source=bundle or "the demo pair",
+        store=store,
+        store_warning=warning,
+        resume=resume,
+        first_message=message,
+        overrides=given,
+    )
 
 
 def cmd_bench(args) -> int:
@@ -359,13 +391,23 @@ def cmd_demo(args) -> int:
 
     check_demo(args)
     existing = Path(args.out or cache_dir() / "demo")
-    if not args.force and (existing / "glimmer.json").is_file() and (existing / "drafter").is_dir() and not args.no_drafter:
+    if (
+        not args.force
+        and (existing / "glimmer.json").is_file()
+        and (existing / "drafter").is_dir()
+        and not args.no_drafter
+    ):
         if not refresh_drafter(existing):
             print(f"demo: bundle already at {existing}, drafter up to date (--force rebuilds it)", file=sys.stderr)
         print(existing)
         return 0
-    out = build_demo(args.out or cache_dir() / "demo", bits=args.bits, dtype=args.dtype, force=args.force,
-                     with_drafter=not args.no_drafter)
+    out = build_demo(
+        args.out or cache_dir() / "demo",
+        bits=args.bits,
+        dtype=args.dtype,
+        force=args.force,
+        with_drafter=not args.no_drafter,
+    )
     print(out)
     return 0
 
@@ -393,12 +435,27 @@ def check_serve(args) -> None:
     check_bundle(args, use_drafter=not args.prompt_lookup)
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "chat": cmd_chat, "distill": cmd_distill,
-            "bench": cmd_bench, "demo": cmd_demo, "parity": cmd_parity, "serve": cmd_serve}
+COMMANDS = {
+    "generate": cmd_generate,
+    "convert": cmd_convert,
+    "chat": cmd_chat,
+    "distill": cmd_distill,
+    "bench": cmd_bench,
+    "demo": cmd_demo,
+    "parity": cmd_parity,
+    "serve": cmd_serve,
+}
 # What each command checks before the BLAS re-exec and before anything heavy is imported (they import no
 # MLX): every flag the command takes, and the paths it was given.
-CHECKS = {"generate": check_generate, "chat": chat_plan, "bench": check_bench, "distill": check_distill,
-          "demo": check_demo, "serve": check_serve, "parity": check_bundle}
+CHECKS = {
+    "generate": check_generate,
+    "chat": chat_plan,
+    "bench": check_bench,
+    "distill": check_distill,
+    "demo": check_demo,
+    "serve": check_serve,
+    "parity": check_bundle,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

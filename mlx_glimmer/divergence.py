@@ -42,12 +42,17 @@ def next_token_logits(target, context: list[int], width: int, prefill_step: int 
 
 def margins(logits: np.ndarray, a: int, b: int, dtype: str) -> dict:
     top2 = np.sort(logits)[-2:]
-    return {"argmax": int(np.argmax(logits)), "margin": float(top2[1] - top2[0]), "gap": float(abs(logits[a] - logits[b])),
-            "tolerance": float(tolerance(dtype, float(np.abs(logits).max())))}
+    return {
+        "argmax": int(np.argmax(logits)),
+        "margin": float(top2[1] - top2[0]),
+        "gap": float(abs(logits[a] - logits[b])),
+        "tolerance": float(tolerance(dtype, float(np.abs(logits).max()))),
+    }
 
 
-def explain_divergence(target, dtype: str, prompt: list[int], reference: list[int], tokens: list[int], width: int,
-                       detok=None) -> dict | None:
+def explain_divergence(
+    target, dtype: str, prompt: list[int], reference: list[int], tokens: list[int], width: int, detok=None
+) -> dict | None:
     """The first position where `tokens` leaves `reference` (both generated after `prompt`), with the margins
     of a 1-row step and of a `width`-row verify there; None when one is a prefix of the other."""
     i = first_divergence(reference, tokens)
@@ -70,8 +75,13 @@ def explain_divergence(target, dtype: str, prompt: list[int], reference: list[in
 def format_divergence(method: str, prompt_index: int, d: dict) -> str:
     a, b = d["tokens"]
     texts = f" {d['texts'][0]!r} vs {d['texts'][1]!r}" if d.get("texts") else ""
-    parts = [f"{name}: top1-top2 {k['margin']:.3g}, |gap| {k['gap']:.3g} (tol {k['tolerance']:.3g})"
-             for name, k in d["kernels"].items()]
+    parts = [
+        f"{name}: top1-top2 {k['margin']:.3g}, |gap| {k['gap']:.3g} (tol {k['tolerance']:.3g})"
+        for name, k in d["kernels"].items()
+    ]
     verdict = "floating-point tie" if d["tie"] else "DISAGREE"
-    return (f"  {method} prompt {prompt_index}: first divergence at generated token {d['position']}: {a} vs {b}{texts}; "
-            + "; ".join(parts) + f": {verdict}")
+    return (
+        f"  {method} prompt {prompt_index}: first divergence at generated token {d['position']}: {a} vs {b}{texts}; "
+        + "; ".join(parts)
+        + f": {verdict}"
+    )

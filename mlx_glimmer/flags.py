@@ -14,8 +14,14 @@ from .errors import GlimmerError
 from .settings import AUTO, MAX_DRAFT_K, SEED_LIMIT, GenerationSettings, SamplingError
 
 # The flag of each field a sampling error names.
-FLAG_OF = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens",
-           "block_size": "--block-size", "seed": "--seed"}
+FLAG_OF = {
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "max_tokens": "--max-tokens",
+    "block_size": "--block-size",
+    "seed": "--seed",
+}
 
 
 def positive_int(text: str) -> int:
@@ -34,6 +40,7 @@ def nonnegative_int(text: str) -> int:
 
 def bounded_int(low: int, high: int):
     """An argparse type: a whole number in [low, high]."""
+
     def parse(text: str) -> int:
         value = int(text)
         if not low <= value <= high:
@@ -65,19 +72,39 @@ def block_size_arg(text: str) -> int | str:
 draft_k_arg = bounded_int(1, MAX_DRAFT_K)
 
 
-def add_sampling_flags(p: argparse.ArgumentParser, defaults: GenerationSettings = GenerationSettings(), *,
-                       seed: bool = True, what: str = "") -> None:
+def add_sampling_flags(
+    p: argparse.ArgumentParser,
+    defaults: GenerationSettings = GenerationSettings(),
+    *,
+    seed: bool = True,
+    what: str = "",
+) -> None:
     """--max-tokens --temp --top-p --top-k [--seed] --block-size --no-spec; help shows `defaults`.
     `what`: whose setting it is in the help ("a request's " for serve's defaults)."""
     s = defaults.sampling
-    p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens,
-                   help=f"most tokens {what or 'to generate'} (default {defaults.max_tokens})")
-    p.add_argument("--temp", type=float, default=s.temperature,
-                   help=f"sampling temperature{what and ' ' + what}; 0 = greedy (default {s.temperature:g})")
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=defaults.max_tokens,
+        help=f"most tokens {what or 'to generate'} (default {defaults.max_tokens})",
+    )
+    p.add_argument(
+        "--temp",
+        type=float,
+        default=s.temperature,
+        help=f"sampling temperature{what and ' ' + what}; 0 = greedy (default {s.temperature:g})",
+    )
     p.add_argument("--top-p", type=float, default=s.top_p, help=f"nucleus sampling mass (default {s.top_p:g}; 1 = off)")
-    p.add_argument("--top-k", type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)")
+    p.add_argument(
+        "--top-k", type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)"
+    )
     if seed:
-        p.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed for sampling, 0 to 2**63-1 (default {defaults.seed})")
+        p.add_argument(
+            "--seed",
+            type=int,
+            default=defaults.seed,
+            help=f"random seed for sampling, 0 to 2**63-1 (default {defaults.seed})",
+        )
     p.add_argument(
         "--block-size",
         type=block_size_arg,
@@ -99,7 +126,9 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
         "with the target's tokenizer (classic drafting)",
     )
     p.add_argument(
-        "--draft-k", type=draft_k_arg, default=None,
+        "--draft-k",
+        type=draft_k_arg,
+        default=None,
         help=f"tokens per round for a draft model (default: adaptive, up to {MAX_DRAFT_K}) or prompt lookup (default "
         f"10): 1 to {MAX_DRAFT_K}",
     )
@@ -116,7 +145,15 @@ def checked(prog: str, make):
 
 def settings_from_args(args, prog: str) -> GenerationSettings:
     """The `GenerationSettings` of `add_sampling_flags`' flags."""
-    return checked(prog, lambda: GenerationSettings.of(
-        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        block_size=args.block_size, speculative=not args.no_spec, **({"seed": args.seed} if "seed" in args else {}),
-    ))
+    return checked(
+        prog,
+        lambda: GenerationSettings.of(
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            block_size=args.block_size,
+            speculative=not args.no_spec,
+            **({"seed": args.seed} if "seed" in args else {}),
+        ),
+    )

@@ -114,7 +114,9 @@ def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None =
     try:
         prompt = list(prompt)
     except TypeError:
-        raise GlimmerError(f"prompt: a string, a list of token ids or a list of messages, got {type(prompt).__name__}") from None
+        raise GlimmerError(
+            f"prompt: a string, a list of token ids or a list of messages, got {type(prompt).__name__}"
+        ) from None
     if not prompt:
         raise GlimmerError("prompt: the prompt is empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -164,7 +166,12 @@ def stream_generate(
     if settings is not None and not isinstance(settings, GenerationSettings):
         raise GlimmerError(f"settings must be a GenerationSettings, got {type(settings).__name__}")
     settings = (settings or GenerationSettings()).updated(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size, seed=seed,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        block_size=block_size,
+        seed=seed,
         speculative=speculative,
     )
     pair.target.reset_peak_memory()
@@ -183,8 +190,9 @@ def stream_generate(
     )
     # On Metal the pair's weights stay wired while it generates (`memory.DeviceMemory`; nothing elsewhere).
     with pair.target.memory.resident(getattr(pair.target, "model", None), getattr(request.drafter, "model", None)):
-        yield from chunks_from_steps(pair.tokenizer, steps, request.stats, settings.max_tokens, start,
-                                     pair.target.peak_memory_gb)
+        yield from chunks_from_steps(
+            pair.tokenizer, steps, request.stats, settings.max_tokens, start, pair.target.peak_memory_gb
+        )
 
 
 @dataclass
@@ -199,8 +207,9 @@ class Request:
     policy: WidthPolicy | None = None  # block size "auto": the width is chosen every round
 
 
-def prepare_request(pair: GenerationPair, prompt: Prompt, settings: GenerationSettings,
-                    chat_template_kwargs: dict | None = None) -> Request:
+def prepare_request(
+    pair: GenerationPair, prompt: Prompt, settings: GenerationSettings, chat_template_kwargs: dict | None = None
+) -> Request:
     """Encode and check one request's prompt against the pair, and settle its drafter and verify width.
 
     `settings.block_size`: an int fixes the verify width, at most `widest_width(drafter)` (a wider one is
@@ -256,8 +265,9 @@ def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
     if cost is None or cost.max_width != width:
         config = Path(pair.target_path) / "config.json"
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
-        key = calibration_key(pair.target, Path(pair.target_path).resolve(), stamp, type(pair.target).__name__,
-                              pair.device_key)
+        key = calibration_key(
+            pair.target, Path(pair.target_path).resolve(), stamp, type(pair.target).__name__, pair.device_key
+        )
         cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost")
         _remember(_COSTS, pair.target, cost)
     policy = width_policy(width, cost, _recall(_POLICIES, drafter))
@@ -265,7 +275,9 @@ def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
     return policy
 
 
-def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
+def chunks_from_steps(
+    tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb
+) -> Iterator[GenerationChunk]:
     """Turn the loop's `Step`s into text chunks with running stats (any backend's loop).
 
     When the consumer stops early (closes this generator, or it is collected),
@@ -275,7 +287,9 @@ def chunks_from_steps(tokenizer, steps, stats: GenerationStats, max_tokens: int,
         yield from _chunks(tokenizer, steps, stats, max_tokens, start, peak_memory_gb)
 
 
-def _chunks(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb) -> Iterator[GenerationChunk]:
+def _chunks(
+    tokenizer, steps, stats: GenerationStats, max_tokens: int, start: float, peak_memory_gb
+) -> Iterator[GenerationChunk]:
     detok = tokenizer.detokenizer
     detok.reset()
     first_at = last_at = start
@@ -307,8 +321,11 @@ def _chunks(tokenizer, steps, stats: GenerationStats, max_tokens: int, start: fl
         if stats.finish_reason is not None:
             detok.finalize()
         # A snapshot: chunks kept by the caller keep the figures of their moment.
-        yield GenerationChunk(detok.last_segment, new, replace(stats, acceptance_lengths=list(stats.acceptance_lengths),
-                                                                        verify_widths=list(stats.verify_widths)))
+        yield GenerationChunk(
+            detok.last_segment,
+            new,
+            replace(stats, acceptance_lengths=list(stats.acceptance_lengths), verify_widths=list(stats.verify_widths)),
+        )
     if stats.finish_reason is None:  # max_tokens == 0
         stats.finish_reason = "length"
 
@@ -322,7 +339,8 @@ def collect(chunks) -> GenerationResult:
     return GenerationResult("".join(text), ids, stats)
 
 
-def generate(pair: GenerationPair, prompt: Prompt, settings: GenerationSettings | None = None,
-             **kwargs) -> GenerationResult:
+def generate(
+    pair: GenerationPair, prompt: Prompt, settings: GenerationSettings | None = None, **kwargs
+) -> GenerationResult:
     """Generate a whole answer; `settings` and keywords as `stream_generate`."""
     return collect(stream_generate(pair, prompt, settings, **kwargs))

@@ -57,7 +57,11 @@ class Pair:
     @property
     def quantization(self) -> str:
         q = self.target.config.get("quantization")
-        return f"{q['bits']}-bit" if q else str(self.target.config.get("torch_dtype") or self.target.config.get("dtype") or "float")
+        return (
+            f"{q['bits']}-bit"
+            if q
+            else str(self.target.config.get("torch_dtype") or self.target.config.get("dtype") or "float")
+        )
 
 
 def _text_tower_classes(config: dict):
@@ -100,7 +104,9 @@ def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
     try:
         _get_classes(config)
     except ValueError:
-        raise GlimmerError(f"{path / 'config.json'}: model_type {config['model_type']!r} is not supported by mlx-lm") from None
+        raise GlimmerError(
+            f"{path / 'config.json'}: model_type {config['model_type']!r} is not supported by mlx-lm"
+        ) from None
     try:
         model, config = load_model(path, get_model_classes=_text_tower_classes)
     except ValueError as e:
@@ -122,7 +128,9 @@ def load_drafter(path: Path, target: Target, tokenizer=None, *, draft_k: int | N
     if tokenizer is not None:
         check_same_tokenizer(tokenizer, draft_tok, str(path))
     if draft.vocab_size != target.vocab_size:
-        raise GlimmerError(f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
+        raise GlimmerError(
+            f"{path / 'config.json'}: vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}"
+        )
     return DraftModelDrafter(draft.model, draft_k=draft_k or 4, adaptive=draft_k is None, max_k=MAX_DRAFT_K)
 
 

@@ -115,8 +115,9 @@ def accept_greedy(draft: mx.array, target_logits: mx.array) -> tuple[int, int]:
     return int(accepted), int(token)
 
 
-def accept_sampled(draft: mx.array, draft_probs: mx.array | None, target_probs: mx.array,
-                   key: mx.array) -> tuple[int, int]:
+def accept_sampled(
+    draft: mx.array, draft_probs: mx.array | None, target_probs: mx.array, key: mx.array
+) -> tuple[int, int]:
     """`sampled_verdict`, read: (accepted drafts, next token)."""
     accepted, token = sampled_verdict(draft, draft_probs, target_probs, key).tolist()
     return int(accepted), int(token)

@@ -173,8 +173,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _resume(state: DecodeState, target: TargetModel, prompt: Sequence[int], drafter: Drafter | None,
-            block_size: int) -> int:
+def _resume(
+    state: DecodeState, target: TargetModel, prompt: Sequence[int], drafter: Drafter | None, block_size: int
+) -> int:
     """Prepare `state` for `prompt`; returns how many prompt tokens are already in the cache."""
     if state.target is not None and state.target is not target:
         raise GlimmerError("this DecodeState holds another target's cache; start a new DecodeState() for this pair")
@@ -284,13 +285,25 @@ def generate_steps(
     if drafter is None:
         yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop)
         return
-    yield from _speculative_steps(target, state, owner, drafter, first, params, key, max_tokens, block_size, stop,
-                                  capture, policy)
+    yield from _speculative_steps(
+        target, state, owner, drafter, first, params, key, max_tokens, block_size, stop, capture, policy
+    )
 
 
-def _speculative_steps(target: TargetModel, state: DecodeState, owner, drafter: Drafter, anchor: int, params, key,
-                       max_tokens: int, block_size: int, stop: set, capture: bool,
-                       policy: WidthPolicy | None) -> Iterator[Step]:
+def _speculative_steps(
+    target: TargetModel,
+    state: DecodeState,
+    owner,
+    drafter: Drafter,
+    anchor: int,
+    params,
+    key,
+    max_tokens: int,
+    block_size: int,
+    stop: set,
+    capture: bool,
+    policy: WidthPolicy | None,
+) -> Iterator[Step]:
     """The rounds after the first token: one host read each, the next round queued before the caller sees
     this one (on a lazy library), width-1 rounds queued one ahead. `state.ahead` counts the cache entries of
     queued rounds, undone when this generator is closed (or by the next generation on the state)."""
@@ -376,8 +389,13 @@ def _speculative_steps(target: TargetModel, state: DecodeState, owner, drafter: 
                 state.ahead = queued.width
             if (queued is None or queued.width == 1) and getattr(drafter, "backlog", 0) >= block_size:
                 target.launch(*_settle(drafter))  # plain rounds: project their context in batches, off the read
-            yield Step(committed, drafted=rnd.width - 1, draft_s=rnd.draft_s, verify_s=max(round_s - rnd.draft_s, 0.0),
-                       stopped=stopped)
+            yield Step(
+                committed,
+                drafted=rnd.width - 1,
+                draft_s=rnd.draft_s,
+                verify_s=max(round_s - rnd.draft_s, 0.0),
+                stopped=stopped,
+            )
             if stopped:
                 return
     finally:
@@ -394,8 +412,9 @@ def _next_token(target: TargetModel, cache, token: Array, params: SamplingParams
     return pick(target, target.head(hidden[-1:]), params, key)[0]
 
 
-def _plain_steps(target: TargetModel, state: DecodeState, owner, anchor: int, params, key, budget: int,
-                 stop: set) -> Iterator[Step]:
+def _plain_steps(
+    target: TargetModel, state: DecodeState, owner, anchor: int, params, key, budget: int, stop: set
+) -> Iterator[Step]:
     """Plain decoding, pipelined as mlx-lm does it: the forward for token i + 1 is queued
     before token i is read back, so Python overhead overlaps the computation.
 

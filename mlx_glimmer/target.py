@@ -110,8 +110,9 @@ def make_head(model: nn.Module, project: Callable | None = None) -> Callable[[mx
     if project is None:
         project = output_projection(model)
     args = getattr(model, "args", None)
-    return output_head(project, getattr(args, "output_multiplier", None),
-                       getattr(args, "final_logit_softcapping", None), mx.tanh)
+    return output_head(
+        project, getattr(args, "output_multiplier", None), getattr(args, "final_logit_softcapping", None), mx.tanh
+    )
 
 
 def head_layer(model: nn.Module) -> nn.Module:
@@ -123,8 +124,7 @@ def head_weight(target: "Target") -> mx.array:
     """The target's output projection as a float matrix [V, H] (dequantized if needed)."""
     layer = head_layer(target.model)
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits,
-                             **_mode(layer))
+        return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, **_mode(layer))
     return layer.weight
 
 
@@ -141,8 +141,9 @@ def row_projection(layer: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.a
         w, scales = layer.weight[ids], layer.scales[ids]
         biases = layer.biases[ids] if getattr(layer, "biases", None) is not None else None
         group_size, bits, mode = layer.group_size, layer.bits, _mode(layer)
-        return lambda h: mx.quantized_matmul(h, w, scales, biases, transpose=True, group_size=group_size, bits=bits,
-                                             **mode)
+        return lambda h: mx.quantized_matmul(
+            h, w, scales, biases, transpose=True, group_size=group_size, bits=bits, **mode
+        )
     rows = layer.weight[ids]
     return lambda h: h @ rows.T
 

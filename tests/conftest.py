@@ -33,8 +33,13 @@ def sandbox_caches() -> None:
         root = tempfile.mkdtemp(prefix="mlx-glimmer-tests-")
         os.environ[SANDBOX_ENV] = root
         os.environ["MLX_GLIMMER_TEST_HOME_BEFORE"] = json.dumps(sorted(home_entries()))
-    for name, sub in (("MLX_GLIMMER_CACHE", "cache/mlx-glimmer"), ("XDG_CACHE_HOME", "cache"),
-                      ("XDG_DATA_HOME", "data"), ("PIP_CACHE_DIR", "cache/pip"), ("HF_HOME", "cache/huggingface")):
+    for name, sub in (
+        ("MLX_GLIMMER_CACHE", "cache/mlx-glimmer"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_DATA_HOME", "data"),
+        ("PIP_CACHE_DIR", "cache/pip"),
+        ("HF_HOME", "cache/huggingface"),
+    ):
         os.environ[name] = str(Path(root) / sub)
 
 

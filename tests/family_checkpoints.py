@@ -29,7 +29,17 @@ def reference(module: str):
     if not (where / module.split(".")[0]).is_dir():
         where.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(where), f"{dist}=={version}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(where),
+                f"{dist}=={version}",
+            ],
             check=True,
             timeout=300,
         )

@@ -45,26 +45,35 @@ def test_bad_arguments_raise_glimmer_error(muse_pair, prompt, kwargs):
 
 
 def test_one_settings_value_or_the_keywords_give_the_same_answer(muse_pair):
-    settings = mlx_glimmer.GenerationSettings(mlx_glimmer.SamplingParams(temperature=0.8, top_p=0.9), max_tokens=20,
-                                              block_size=4, seed=5)
+    settings = mlx_glimmer.GenerationSettings(
+        mlx_glimmer.SamplingParams(temperature=0.8, top_p=0.9), max_tokens=20, block_size=4, seed=5
+    )
     by_value = mlx_glimmer.generate(muse_pair, "Hello", settings)
-    by_keywords = mlx_glimmer.generate(muse_pair, "Hello", temperature=0.8, top_p=0.9, max_tokens=20, block_size=4,
-                                       seed=5)
+    by_keywords = mlx_glimmer.generate(
+        muse_pair, "Hello", temperature=0.8, top_p=0.9, max_tokens=20, block_size=4, seed=5
+    )
     assert by_value.token_ids == by_keywords.token_ids and by_value.stats.block_size == 4
     # a keyword replaces its field of the settings, the rest stays
     fewer = mlx_glimmer.generate(muse_pair, "Hello", settings, max_tokens=5)
-    assert fewer.token_ids == mlx_glimmer.generate(muse_pair, "Hello", temperature=0.8, top_p=0.9, max_tokens=5,
-                                                   block_size=4, seed=5).token_ids
+    assert (
+        fewer.token_ids
+        == mlx_glimmer.generate(
+            muse_pair, "Hello", temperature=0.8, top_p=0.9, max_tokens=5, block_size=4, seed=5
+        ).token_ids
+    )
     assert len(fewer.token_ids) <= 5
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: mlx_glimmer.SamplingParams(temperature=float("nan")), "temperature"),
-    (lambda: mlx_glimmer.SamplingParams(top_p=1.5), "top_p"),
-    (lambda: mlx_glimmer.SamplingParams(top_k=-1), "top_k"),
-    (lambda: mlx_glimmer.GenerationSettings(block_size=0), "block_size"),
-    (lambda: mlx_glimmer.GenerationSettings(block_size="wide"), "block_size"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: mlx_glimmer.SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: mlx_glimmer.SamplingParams(top_p=1.5), "top_p"),
+        (lambda: mlx_glimmer.SamplingParams(top_k=-1), "top_k"),
+        (lambda: mlx_glimmer.GenerationSettings(block_size=0), "block_size"),
+        (lambda: mlx_glimmer.GenerationSettings(block_size="wide"), "block_size"),
+    ],
+)
 def test_settings_are_checked_once_when_made(make, field):
     with pytest.raises(GlimmerError, match=field):
         make()

@@ -43,7 +43,9 @@ def bundle(tmp_path_factory, checkpoints):
     root = tmp_path_factory.mktemp("bad-input") / "b"
     shutil.copytree(checkpoints["muse"], root / "target")
     shutil.copytree(checkpoints["assistant"], root / "drafter")
-    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    (root / "glimmer.json").write_text(
+        json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"})
+    )
     return root
 
 
@@ -72,13 +74,21 @@ SMALL = ["--layers", "1", "--context-layers", "3"]  # a drafter the 6-layer tiny
 # (argv, what the error line says); BUNDLE is a real bundle, BROKEN one whose glimmer.json is [1, 2].
 CLI_EXAMPLES = [
     (["generate", "BUNDLE", "--prompt", ""], "generate: --prompt is empty"),
-    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", "-1"], "generate: --seed must be a whole number in [0, 2**63), got -1"),
-    (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", str(2**70)], "--seed must be a whole number in [0, 2**63)"),
+    (
+        ["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", "-1"],
+        "generate: --seed must be a whole number in [0, 2**63), got -1",
+    ),
+    (
+        ["generate", "BUNDLE", "--prompt", "Hi", "--temp", "0.7", "--seed", str(2**70)],
+        "--seed must be a whole number in [0, 2**63)",
+    ),
     (["generate", "BROKEN", "--prompt", "Hi"], "glimmer.json: not a JSON object (got list)"),
     (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "nan"], "generate: --temp must be a number >= 0, got nan"),
     (["generate", "BUNDLE", "--prompt", "Hi", "--temp", "inf"], "generate: --temp must be a number >= 0, got inf"),
-    (["generate", "BUNDLE", "--prompt", "Hi", "--max-tokens", "4", "--prompt-lookup", "--draft-k", "100000"],
-     f"argument --draft-k: must be in [1, {MAX_DRAFT_K}], got 100000"),
+    (
+        ["generate", "BUNDLE", "--prompt", "Hi", "--max-tokens", "4", "--prompt-lookup", "--draft-k", "100000"],
+        f"argument --draft-k: must be in [1, {MAX_DRAFT_K}], got 100000",
+    ),
     (["bench", "BUNDLE", "--max-tokens", "-5"], "bench: argument --max-tokens: must be >= 1, got -5"),
     (["bench", "BUNDLE", "--max-tokens", "0"], "bench: argument --max-tokens: must be >= 1, got 0"),
     (["bench", "BUNDLE", "--repeats", "0"], "bench: argument --repeats: must be >= 1, got 0"),
@@ -125,8 +135,22 @@ def test_demo_flag_mistakes_print_nothing_before_the_error(tmp_path, capsys):
 
 
 def test_block_size_beyond_the_drafters_block_is_capped(bundle, capsys):
-    assert main(["generate", str(bundle), "--prompt", "Hello there", "--max-tokens", "40", "--block-size", "100000",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(bundle),
+                "--prompt",
+                "Hello there",
+                "--max-tokens",
+                "40",
+                "--block-size",
+                "100000",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert max(int(w) for w in out["verify_width_histogram"]) <= 16  # the drafter's block
     assert max(out["acceptance_lengths"]) <= 16
@@ -182,15 +206,18 @@ def test_api_mistakes_raise_glimmer_error_naming_the_argument(muse_pair, prompt,
     assert says in str(e.value)
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda: SamplingParams(temperature=float("nan")), "temperature"),
-    (lambda: SamplingParams(top_p=float("inf")), "top_p"),
-    (lambda: SamplingParams(top_k=2.5), "top_k"),
-    (lambda: GenerationSettings(max_tokens=0), "max_tokens"),
-    (lambda: GenerationSettings(seed=-1), "seed"),
-    (lambda: GenerationSettings(seed=2**70), "seed"),
-    (lambda: GenerationSettings(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(top_p=float("inf")), "top_p"),
+        (lambda: SamplingParams(top_k=2.5), "top_k"),
+        (lambda: GenerationSettings(max_tokens=0), "max_tokens"),
+        (lambda: GenerationSettings(seed=-1), "seed"),
+        (lambda: GenerationSettings(seed=2**70), "seed"),
+        (lambda: GenerationSettings(seed=1.5), "seed"),
+    ],
+)
 def test_every_setting_is_refused_when_made(make, says):
     with pytest.raises(GlimmerError, match=says):
         make()
@@ -247,8 +274,10 @@ def test_distill_refuses_a_malformed_prompt_file_before_run(checkpoints, prompts
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{not json\n')
     run = tmp_path / "run"
-    assert main(["distill", str(checkpoints["llama"]), "--out", str(run), "--prompts", str(bad), *prompts[2:],
-                 *SMALL]) == 2
+    assert (
+        main(["distill", str(checkpoints["llama"]), "--out", str(run), "--prompts", str(bad), *prompts[2:], *SMALL])
+        == 2
+    )
     one_error_line(capsys.readouterr().err, str(bad), "line 2")
     assert not run.exists()
 
@@ -263,12 +292,19 @@ def _checkpoint(path: Path, weights: dict) -> Path:
 def test_distill_never_exports_non_finite_weights_or_an_empty_stack(tmp_path):
     from mlx_glimmer.distill.run import UnusableDrafter, export, export_best
 
-    fine = {"layers.0.mlp.down_proj.weight": mx.ones((2, 2)), "fc.weight": mx.ones((2, 4)),
-            "draft_vocab": mx.array([0, 1], dtype=mx.int32)}
+    fine = {
+        "layers.0.mlp.down_proj.weight": mx.ones((2, 2)),
+        "fc.weight": mx.ones((2, 4)),
+        "draft_vocab": mx.array([0, 1], dtype=mx.int32),
+    }
     nan = {**fine, "fc.weight": mx.full((2, 4), float("nan"))}
     huge = {**fine, "fc.weight": mx.full((2, 4), 1e6)}  # finite in float32, infinite once exported as float16
     empty = {"fc.weight": mx.ones((2, 4)), "draft_vocab": mx.array([0, 1], dtype=mx.int32)}
-    for name, weights, says in [("nan", nan, "non-finite"), ("huge", huge, "non-finite"), ("empty", empty, "no layers")]:
+    for name, weights, says in [
+        ("nan", nan, "non-finite"),
+        ("huge", huge, "non-finite"),
+        ("empty", empty, "no layers"),
+    ]:
         with pytest.raises(UnusableDrafter, match=says):
             export(_checkpoint(tmp_path / name, weights), tmp_path / f"{name}-drafter")
         assert not (tmp_path / f"{name}-drafter").exists()
@@ -313,8 +349,13 @@ for argv in {[[a.replace("RUN", str(tmp_path / "run")) for a in argv] for argv i
 heavy = sorted(m for m in ("mlx", "mlx_lm", "transformers", "torch", "numpy", "fastapi") if m in sys.modules)
 print(json.dumps({{"codes": codes, "reexecs": reexecs, "heavy": heavy}}))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "MLX_GLIMMER_BLAS": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MLX_GLIMMER_BLAS": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report == {"codes": [2] * len(FAST_REFUSALS), "reexecs": [], "heavy": []}

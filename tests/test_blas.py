@@ -9,7 +9,9 @@ import pytest
 
 from mlx_glimmer import blas
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS switch is Linux-only (macOS uses Metal)")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the BLAS switch is Linux-only (macOS uses Metal)"
+)
 
 PROBE = "import mlx.core as mx; from mlx_glimmer.blas import sgemm_library; print(sgemm_library())"
 
@@ -22,16 +24,26 @@ def clean_env(**extra) -> dict:
 
 def test_the_command_line_runs_on_an_optimized_blas_without_ld_preload():
     """The package depends on cmeel-openblas on Linux, so one can always be had; `--version` reports what MLX calls."""
-    out = subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "--version"], env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_glimmer.cli", "--version"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "openblas" in out.stdout.lower(), out.stdout
     assert "warning" not in out.stderr
 
 
 def test_reference_opt_out_keeps_mlx_own_blas():
-    out = subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "--version"], env=clean_env(MLX_GLIMMER_BLAS="reference"),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_glimmer.cli", "--version"],
+        env=clean_env(MLX_GLIMMER_BLAS="reference"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "reference BLAS" in out.stdout, out.stdout
 
 
@@ -42,7 +54,10 @@ def test_the_wheel_openblas_loads_with_numpys_gfortran_when_the_system_has_none(
     assert choice is not None and choice.library.endswith("cmeel.prefix/lib/libopenblas.so.0")
     assert choice.library_path == str(tmp_path / "links") and (tmp_path / "links" / "libgfortran.so.5").exists()
     env = clean_env(LD_PRELOAD=choice.library, LD_LIBRARY_PATH=choice.library_path)
-    code = PROBE + "; import pathlib; print(any('numpy.libs/libgfortran' in l for l in pathlib.Path('/proc/self/maps').read_text().splitlines()))"
+    code = (
+        PROBE
+        + "; import pathlib; print(any('numpy.libs/libgfortran' in l for l in pathlib.Path('/proc/self/maps').read_text().splitlines()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     library, numpy_gfortran = out.stdout.split()
     assert library == choice.library or os.path.realpath(library) == os.path.realpath(choice.library), out
@@ -61,7 +76,9 @@ def test_the_choice_does_not_depend_on_what_this_process_has_loaded(tmp_path, mo
     )
     first = blas.find_openblas(tmp_path / "links")
     env = clean_env(LD_PRELOAD=first.library, LD_LIBRARY_PATH=first.library_path)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "again")], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "again")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [first.library, str(tmp_path / "again")]
 
@@ -104,12 +121,19 @@ def test_the_blas_never_changes_greedy_tokens(llama_pair, checkpoints, tmp_path)
     assert choice is not None, "the package depends on cmeel-openblas on Linux"
     envs = {
         "reference": clean_env(MLX_GLIMMER_BLAS="reference"),
-        "openblas": clean_env(LD_PRELOAD=choice.library, **({"LD_LIBRARY_PATH": choice.library_path} if choice.library_path else {})),
+        "openblas": clean_env(
+            LD_PRELOAD=choice.library, **({"LD_LIBRARY_PATH": choice.library_path} if choice.library_path else {})
+        ),
     }
     runs = {}
     for name, env in envs.items():
-        out = subprocess.run([sys.executable, "-c", code, str(checkpoints["llama"]), str(checkpoints["llama_assistant"])],
-                             env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(checkpoints["llama"]), str(checkpoints["llama_assistant"])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     assert os.path.realpath(runs["openblas"]["sgemm"]) == os.path.realpath(choice.library), runs["openblas"]["sgemm"]

@@ -92,15 +92,26 @@ def test_auto_greedy_equals_plain_with_random_and_agreeing_drafters(muse_pair):
     auto = mlx_glimmer.generate(muse_pair, PROMPT, max_tokens=90)  # random drafter, window 8: far past it
     assert auto.token_ids == plain.token_ids and auto.stats.block_policy == "auto"
     assert sum(auto.stats.verify_width_histogram.values()) == auto.stats.target_forwards
-    oracle = OracleDrafter(len(PROMPT), plain.token_ids, {i for i in range(90) if i % 17 == 3}, muse_pair.target.vocab_size)
+    oracle = OracleDrafter(
+        len(PROMPT), plain.token_ids, {i for i in range(90) if i % 17 == 3}, muse_pair.target.vocab_size
+    )
     agreeing = mlx_glimmer.generate(dataclasses.replace(muse_pair, drafter=oracle), PROMPT, max_tokens=90)
     assert agreeing.token_ids == plain.token_ids
     assert agreeing.stats.target_forwards < 45, agreeing.stats.verify_width_histogram
 
 
 def test_block_size_flag_takes_auto_or_a_width(checkpoints, capsys):
-    base = ["generate", str(checkpoints["llama"]), "--drafter", str(checkpoints["llama_assistant"]), "--prompt", "hi",
-            "--max-tokens", "12", "--json"]
+    base = [
+        "generate",
+        str(checkpoints["llama"]),
+        "--drafter",
+        str(checkpoints["llama_assistant"]),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]
     assert main(base) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["block_policy"] == "auto" and sum(out["verify_width_histogram"].values()) == out["target_forwards"]

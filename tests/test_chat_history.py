@@ -376,7 +376,10 @@ def test_list_and_resume_on_the_command_line(started, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--resume", "what next"], "--resume takes a conversation id or 'last', got 'what next' (a message goes before"),
+        (
+            ["--resume", "what next"],
+            "--resume takes a conversation id or 'last', got 'what next' (a message goes before",
+        ),
         (["--resume", "7"], "no conversation 7"),
         (["--list", "--no-history"], "--list reads the history; drop --no-history"),
         (["a", "b", "c"], "at most a BUNDLE and one MESSAGE"),

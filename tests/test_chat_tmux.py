@@ -37,8 +37,13 @@ class Terminal:
         self.tmp = tmp
 
     def tmux(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], env=self.env,
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, "-f", "/dev/null", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout
 
     def start(self, *args: str) -> None:

@@ -34,7 +34,9 @@ def bundle(tmp_path_factory, checkpoints):
     root = tmp_path_factory.mktemp("bundle") / "b"
     shutil.copytree(checkpoints["muse"], root / "target")
     shutil.copytree(checkpoints["assistant"], root / "drafter")
-    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    (root / "glimmer.json").write_text(
+        json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"})
+    )
     return root
 
 
@@ -64,7 +66,9 @@ def test_no_spec_commits_one_token_per_round(bundle, capsys):
 def test_chat_flag_applies_the_chat_template(bundle, capsys, muse_pair):
     assert main(["generate", str(bundle), "--prompt", "Hi", "--chat", "--max-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    expected = len(muse_pair.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True))
+    expected = len(
+        muse_pair.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    )
     assert out["prompt_tokens"] == expected
 
 
@@ -133,7 +137,9 @@ def test_missing_manifest_fields_and_configs_are_named(tmp_path, bundle, capsys)
     (root / "glimmer.json").write_text(json.dumps({"format": "something-else"}))
     assert main(["generate", str(root), "--prompt", "x"]) != 0
     assert_one_error_line(capsys.readouterr().err, "glimmer.json", "format")
-    (root / "glimmer.json").write_text(json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"}))
+    (root / "glimmer.json").write_text(
+        json.dumps({"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter"})
+    )
     (root / "drafter" / "config.json").unlink()
     assert main(["generate", str(root), "--prompt", "x"]) != 0
     assert_one_error_line(capsys.readouterr().err, "config.json", "drafter")
@@ -158,12 +164,15 @@ def test_every_command_takes_block_size_auto_and_defaults_to_it():
     assert parser.parse_args(["serve"]).block_size == "auto"
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["serve", "--temp", "-1"], "serve: --temp must be a number >= 0, got -1.0"),
-    (["serve", "--top-k", "-2"], "serve: --top-k must be a whole number >= 0, got -2"),
-    (["serve", "--block-size", "0"], "--block-size"),
-    (["serve", "--port", "70000"], "serve: --port must be in [0, 65535]"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["serve", "--temp", "-1"], "serve: --temp must be a number >= 0, got -1.0"),
+        (["serve", "--top-k", "-2"], "serve: --top-k must be a whole number >= 0, got -2"),
+        (["serve", "--block-size", "0"], "--block-size"),
+        (["serve", "--port", "70000"], "serve: --port must be in [0, 65535]"),
+    ],
+)
 def test_serve_flag_errors_are_one_line_before_anything_loads(capsys, argv, needle):
     assert main(argv) == 2
     assert_one_error_line(capsys.readouterr().err, needle)

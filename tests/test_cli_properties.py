@@ -23,8 +23,9 @@ from mlx_glimmer.cli import main
 from mlx_glimmer.settings import MAX_DRAFT_K, SEED_LIMIT
 
 BOUND_S = 1.0  # one refusal, parser and checks included
-PROPERTY = settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 NOWHERE = "/nonexistent/mlx-glimmer-bundle"
 
 
@@ -44,6 +45,7 @@ def refuse(argv: list[str], flag: str) -> None:
 
 
 # ---- bad values ------------------------------------------------------------------------------------------
+
 
 def as_text(values):
     return values.map(lambda v: repr(v) if isinstance(v, float) and not math.isfinite(v) else str(v))
@@ -65,45 +67,92 @@ def _parses(text: str, kind) -> bool:
 below_one = st.one_of(as_text(st.integers(max_value=0)), not_an_int)
 negative = st.one_of(as_text(st.integers(max_value=-1)), not_an_int)
 bad_seed = st.one_of(as_text(st.integers(max_value=-1)), as_text(st.integers(min_value=SEED_LIMIT)), not_an_int)
-bad_temperature = st.one_of(st.sampled_from(["nan", "inf", "-inf", "NaN"]),
-                            as_text(st.floats(max_value=-1e-9, allow_nan=False)), not_a_number)
-bad_top_p = st.one_of(st.sampled_from(["nan", "inf", "0", "-0.0"]),
-                      as_text(st.floats(min_value=1.0, exclude_min=True, allow_nan=False)),
-                      as_text(st.floats(max_value=0.0, allow_nan=False)), not_a_number)
+bad_temperature = st.one_of(
+    st.sampled_from(["nan", "inf", "-inf", "NaN"]), as_text(st.floats(max_value=-1e-9, allow_nan=False)), not_a_number
+)
+bad_top_p = st.one_of(
+    st.sampled_from(["nan", "inf", "0", "-0.0"]),
+    as_text(st.floats(min_value=1.0, exclude_min=True, allow_nan=False)),
+    as_text(st.floats(max_value=0.0, allow_nan=False)),
+    not_a_number,
+)
 bad_top_k = st.one_of(as_text(st.integers(max_value=-1)), st.sampled_from(["2.5", "nan", "1e3"]), not_an_int)
 bad_block = st.one_of(as_text(st.integers(max_value=0)), not_an_int.filter(lambda t: t != "auto"))
 bad_draft_k = st.one_of(as_text(st.integers(max_value=0)), as_text(st.integers(min_value=MAX_DRAFT_K + 1)), not_an_int)
-bad_lr = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0"]), as_text(st.floats(max_value=0.0, allow_nan=False)),
-                   not_a_number)
+bad_lr = st.one_of(
+    st.sampled_from(["nan", "inf", "-inf", "0"]), as_text(st.floats(max_value=0.0, allow_nan=False)), not_a_number
+)
 bad_temperatures = st.one_of(
     st.lists(st.sampled_from(["0", "0.5", "nan", "inf", "-1", "x", ""]), min_size=1, max_size=4)
-    .map(",".join).filter(lambda t: not all(_parses(x, float) and math.isfinite(float(x)) and float(x) >= 0
-                                            for x in t.split(","))),
+    .map(",".join)
+    .filter(lambda t: not all(_parses(x, float) and math.isfinite(float(x)) and float(x) >= 0 for x in t.split(","))),
 )
-bad_block_sizes = st.lists(st.sampled_from(["auto", "4", "0", "-3", "x", "", "2.5"]), min_size=1, max_size=4) \
-    .map(",".join).filter(lambda t: not all(x == "auto" or (x.isdigit() and int(x) >= 1) for x in t.split(",")))
+bad_block_sizes = (
+    st.lists(st.sampled_from(["auto", "4", "0", "-3", "x", "", "2.5"]), min_size=1, max_size=4)
+    .map(",".join)
+    .filter(lambda t: not all(x == "auto" or (x.isdigit() and int(x) >= 1) for x in t.split(",")))
+)
 missing_file = junk.map(lambda t: f"{NOWHERE}/{t}.jsonl")
 missing_init = junk.map(lambda t: f"{NOWHERE}/{t}")
 
-SAMPLING = {"--max-tokens": below_one, "--temp": bad_temperature, "--top-p": bad_top_p, "--top-k": bad_top_k,
-            "--seed": bad_seed, "--block-size": bad_block}
+SAMPLING = {
+    "--max-tokens": below_one,
+    "--temp": bad_temperature,
+    "--top-p": bad_top_p,
+    "--top-k": bad_top_k,
+    "--seed": bad_seed,
+    "--block-size": bad_block,
+}
 # command -> (the rest of a command line, {flag: bad values})
 COMMANDS = {
     "generate": (["generate", NOWHERE, "--prompt", "Hi"], {**SAMPLING, "--draft-k": bad_draft_k}),
     "chat": (["chat", NOWHERE], SAMPLING),
-    "bench": (["bench", NOWHERE], {"--max-tokens": below_one, "--num-prompts": below_one, "--repeats": below_one,
-                                    "--warmup": negative, "--draft-k": bad_draft_k, "--block-sizes": bad_block_sizes,
-                                    "--prompts": missing_file}),
-    "distill": (["distill", NOWHERE, "--out", NOWHERE + "/run"], {
-        "--steps": below_one, "--anchors": below_one, "--sequences-per-step": below_one, "--eval-every": below_one,
-        "--answer-tokens": below_one, "--batch-size": below_one, "--layers": below_one, "--context-layers": below_one,
-        "--eval-prompts": below_one, "--eval-tokens": below_one, "--max-prompts": below_one, "--draft-vocab": below_one,
-        "--gen-threads": below_one, "--mask-token": negative, "--self-instruct": negative, "--follow-ups": negative,
-        "--seed": bad_seed, "--lr": bad_lr, "--temperatures": bad_temperatures, "--init": missing_init,
-        "--prompts": missing_file, "--heldout": missing_file}),
-    "demo": (["demo", "--out", NOWHERE + "/demo"], {
-        "--bits": st.one_of(as_text(st.integers().filter(lambda b: b not in (4, 8, 16))), not_an_int),
-        "--dtype": junk.filter(lambda t: t not in ("bfloat16", "float16", "float32"))}),
+    "bench": (
+        ["bench", NOWHERE],
+        {
+            "--max-tokens": below_one,
+            "--num-prompts": below_one,
+            "--repeats": below_one,
+            "--warmup": negative,
+            "--draft-k": bad_draft_k,
+            "--block-sizes": bad_block_sizes,
+            "--prompts": missing_file,
+        },
+    ),
+    "distill": (
+        ["distill", NOWHERE, "--out", NOWHERE + "/run"],
+        {
+            "--steps": below_one,
+            "--anchors": below_one,
+            "--sequences-per-step": below_one,
+            "--eval-every": below_one,
+            "--answer-tokens": below_one,
+            "--batch-size": below_one,
+            "--layers": below_one,
+            "--context-layers": below_one,
+            "--eval-prompts": below_one,
+            "--eval-tokens": below_one,
+            "--max-prompts": below_one,
+            "--draft-vocab": below_one,
+            "--gen-threads": below_one,
+            "--mask-token": negative,
+            "--self-instruct": negative,
+            "--follow-ups": negative,
+            "--seed": bad_seed,
+            "--lr": bad_lr,
+            "--temperatures": bad_temperatures,
+            "--init": missing_init,
+            "--prompts": missing_file,
+            "--heldout": missing_file,
+        },
+    ),
+    "demo": (
+        ["demo", "--out", NOWHERE + "/demo"],
+        {
+            "--bits": st.one_of(as_text(st.integers().filter(lambda b: b not in (4, 8, 16))), not_an_int),
+            "--dtype": junk.filter(lambda t: t not in ("bfloat16", "float16", "float32")),
+        },
+    ),
 }
 
 
@@ -138,8 +187,11 @@ def test_an_unknown_flag_is_one_error_line_naming_it(command, flag):
 @given(st.sampled_from(sorted(COMMANDS)), st.data())
 def test_two_bad_flags_still_give_one_line(command, data):
     base, flags = COMMANDS[command]
-    first, second = data.draw(st.lists(st.sampled_from(sorted(flags)), min_size=2, max_size=2, unique=True)
-                              if len(flags) > 1 else st.just([sorted(flags)[0]] * 2))
+    first, second = data.draw(
+        st.lists(st.sampled_from(sorted(flags)), min_size=2, max_size=2, unique=True)
+        if len(flags) > 1
+        else st.just([sorted(flags)[0]] * 2)
+    )
     argv = [*base, f"{first}={data.draw(flags[first])}", f"{second}={data.draw(flags[second])}"]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

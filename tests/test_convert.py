@@ -135,7 +135,11 @@ def test_bundle_layout_manifest_and_text_tower(bundles, sources):
             assert all(w.dtype == mx.float32 for w in weights.values())
             assert len(list((path / "target").glob("model-*.safetensors"))) >= 3  # --max-shard-size 300KB
         else:
-            assert config["quantization"] == config["quantization_config"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+            assert (
+                config["quantization"]
+                == config["quantization_config"]
+                == {"group_size": 64, "bits": bits, "mode": "affine"}
+            )
             assert weights["lm_head.weight"].dtype == mx.uint32 and "model.embed_tokens.scales" in weights
             norms = [n for n in weights if "norm" in n]
             assert norms and all(weights[n].dtype == mx.bfloat16 and weights[n].ndim == 1 for n in norms)
@@ -194,7 +198,11 @@ def test_quantized_bundle_equals_transformers_with_its_dequantized_weights(tmp_p
     for path, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
-            name = "lm_head.weight" if path == "lm_head" else path.replace("model.", "model.language_model.", 1) + ".weight"
+            name = (
+                "lm_head.weight"
+                if path == "lm_head"
+                else path.replace("model.", "model.language_model.", 1) + ".weight"
+            )
             state[name] = torch.from_numpy(np.array(w))
             replaced += 1
     assert replaced == 8 * 8 + 2  # per layer q k v o, attention gate, mlp gate up down; embedding; head
@@ -219,8 +227,13 @@ def test_quantized_bundles_agree_with_float_on_greedy_argmax(tmp_path, peaked, s
     figures = {}
     for name, src in (("peaked", peaked), ("default", sources["muse"])):
         logits = {}
-        for label, kw in (("float", dict(bits=16, dtype="float32")), ("bf16", dict(bits=16)), ("8-bit", dict(bits=8)),
-                          ("4-bit", dict(bits=4)), ("4-bit+8-bit embed/head", dict(bits=4, embed_bits=8))):
+        for label, kw in (
+            ("float", dict(bits=16, dtype="float32")),
+            ("bf16", dict(bits=16)),
+            ("8-bit", dict(bits=8)),
+            ("4-bit", dict(bits=4)),
+            ("4-bit+8-bit embed/head", dict(bits=4, embed_bits=8)),
+        ):
             out = tmp_path / f"{name}-{label.replace('/', '-').replace('+', '-')}"
             convert(src, out, **kw)
             logits[label] = mlx_logits(out / "target")
@@ -230,8 +243,10 @@ def test_quantized_bundles_agree_with_float_on_greedy_argmax(tmp_path, peaked, s
         rest = {k: agreement(v[other], ref[other]) for k, v in logits.items()}
         with capsys.disabled():
             shown = ", ".join(f"{k} {v:.1%} ({rest[k]:.1%})" for k, v in figures[name].items())
-            print(f"\n[convert] {name} tiny Muse, argmax agreement with float over {PROMPTS.size} positions "
-                  f"(in brackets: the {other.sum()} where float does not repeat its input): {shown}")
+            print(
+                f"\n[convert] {name} tiny Muse, argmax agreement with float over {PROMPTS.size} positions "
+                f"(in brackets: the {other.sum()} where float does not repeat its input): {shown}"
+            )
     assert figures["peaked"]["8-bit"] >= 0.95, figures
     assert figures["peaked"]["4-bit"] >= 0.85, figures
 
@@ -406,8 +421,20 @@ def test_repo_id_without_network_is_one_error_line(tmp_path):
     out = tmp_path / "bundle"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
     proc = subprocess.run(
-        [sys.executable, "-m", "mlx_glimmer.cli", "convert", "--target", "meta-models/Muse-Glimmer-30B", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mlx_glimmer.cli",
+            "convert",
+            "--target",
+            "meta-models/Muse-Glimmer-30B",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert_one_error_line(proc.stderr, "meta-models/Muse-Glimmer-30B")
@@ -453,7 +480,7 @@ TEXT = (
     "and millions of books were in circulation. The effects were enormous. Ideas could travel faster than ever "
     "before, scholars could compare identical copies of a text, and literacy slowly began to rise among ordinary "
     "people. Historians often connect the press to the Reformation, the Scientific Revolution, and the growth of "
-    "newspapers, although each of these developments also had many other causes. Today the word \"press\" still "
+    'newspapers, although each of these developments also had many other causes. Today the word "press" still '
     "refers to journalism, a reminder of how closely the two have always been linked."
 )
 
@@ -480,8 +507,12 @@ def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path) -> np.ndarra
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(OPENBLAS)
     np.save(tmp / "ids.npy", np.array(ids))
-    subprocess.run([sys.executable, "-c", FORWARD, str(model_dir), str(tmp / "ids.npy"), str(tmp / "logits.npy")],
-                   check=True, env=env, timeout=600)
+    subprocess.run(
+        [sys.executable, "-c", FORWARD, str(model_dir), str(tmp / "ids.npy"), str(tmp / "logits.npy")],
+        check=True,
+        env=env,
+        timeout=600,
+    )
     return np.load(tmp / "logits.npy")
 
 
@@ -506,26 +537,36 @@ def test_gguf_smollm2_matches_transformers_on_real_text(tmp_path, capsys):
     raw, metadata = mx.load(str(gguf_path), return_metadata=True)
     mine = weights_of(out / "target")
     for part in ("weight", "scales", "biases"):
-        assert np.array_equal(np.array(raw[f"blk.5.ffn_up.{part}"]), np.array(mine[f"model.layers.5.mlp.up_proj.{part}"]))
+        assert np.array_equal(
+            np.array(raw[f"blk.5.ffn_up.{part}"]), np.array(mine[f"model.layers.5.mlp.up_proj.{part}"])
+        )
         assert np.array_equal(np.array(raw[f"token_embd.{part}"]), np.array(mine[f"model.embed_tokens.{part}"]))
 
     tokenizer = mlx_lm.load(str(out / "target"))[1]
     ids = tokenizer.encode(TEXT)
     assert len(ids) >= 200
     ours = dequantized_forward(out / "target", ids, tmp_path)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     theirs = transformers_logits(ref_model.eval(), [ids])[0]
     agree = agreement(ours, theirs)
     with capsys.disabled():
         print(f"\n[convert] SmolLM2 GGUF bundle vs transformers: {agree:.1%} of {len(ids)} argmaxes agree")
     assert agree >= 0.99
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a printing press?"},
-                {"role": "assistant", "content": "A machine for printing."}, {"role": "user", "content": "Who made it?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a printing press?"},
+        {"role": "assistant", "content": "A machine for printing."},
+        {"role": "user", "content": "Who made it?"},
+    ]
     own = metadata["tokenizer.chat_template"]
     bundle_tok = AutoTokenizer.from_pretrained(str(out / "target"))
     rendered = bundle_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == bundle_tok.apply_chat_template(messages, chat_template=own, tokenize=False, add_generation_prompt=True)
+    assert rendered == bundle_tok.apply_chat_template(
+        messages, chat_template=own, tokenize=False, add_generation_prompt=True
+    )
     assert rendered == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nWho made it?<|im_end|>" in rendered
 
@@ -556,8 +597,29 @@ def test_a_drafter_quantized_with_per_module_group_sizes_loads_and_stays_lossles
     """--group-size 128 on the tiny assistant: widths 64 and 192 take group 64 (per-module entries), width 128 the
     default; the drafter loader must honour each entry as mlx-lm does for the target."""
     out = tmp_path / "b"
-    assert main(["convert", "--target", str(sources["muse"]), "--drafter", str(sources["assistant"]), "--out", str(out),
-                 "--bits", "16", "--dtype", "float32", "--drafter-bits", "4", "--group-size", "128", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--target",
+                str(sources["muse"]),
+                "--drafter",
+                str(sources["assistant"]),
+                "--out",
+                str(out),
+                "--bits",
+                "16",
+                "--dtype",
+                "float32",
+                "--drafter-bits",
+                "4",
+                "--group-size",
+                "128",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     q = json.loads((out / "drafter" / "config.json").read_text())["quantization"]
     assert q["group_size"] == 128 and q["layers.0.self_attn.q_proj"]["group_size"] == 64
     pair = mlx_glimmer.load(out)

@@ -60,14 +60,19 @@ def test_demo_chat_answer_is_lossless_and_the_drafter_helps(demo):
 
 
 def test_prompt_lookup_on_a_copying_answer(demo):
-    text = ("The city council met on Tuesday to discuss the new park. Residents asked for more trees, a playground "
-            "for small children, and better lighting along the main path.")
+    text = (
+        "The city council met on Tuesday to discuss the new park. Residents asked for more trees, a playground "
+        "for small children, and better lighting along the main path."
+    )
     msgs = [{"role": "user", "content": "Repeat the following paragraph exactly, word for word:\n\n" + text}]
     ids = encode_prompt(demo.tokenizer, msgs)
     stop = demo.tokenizer.eos_token_ids
     plain = [t for s in generate_steps(demo.target, ids, max_tokens=60, stop_ids=stop) for t in s.tokens]
-    steps = list(generate_steps(demo.target, ids, drafter=PromptLookupDrafter(draft_k=10), block_size=11,
-                                max_tokens=60, stop_ids=stop))
+    steps = list(
+        generate_steps(
+            demo.target, ids, drafter=PromptLookupDrafter(draft_k=10), block_size=11, max_tokens=60, stop_ids=stop
+        )
+    )
     assert [t for s in steps for t in s.tokens] == plain
     mean = np.mean([len(s.tokens) for s in steps[1:]])
     print(f"prompt lookup, copying answer: mean acceptance {mean:.2f}")

@@ -32,8 +32,18 @@ def records(llama_pair):
 
 
 def make_trainer(llama_pair, records, tmp_path, **kw):
-    cfg = TrainConfig(layers=kw.pop("layers", 1), context_layers=3, anchors=8, steps=kw.pop("steps", 60), warmup=5, eval_every=10**9,
-                      checkpoint_every=kw.pop("checkpoint_every", 30), learning_rate=3e-3, compile=False, **kw)
+    cfg = TrainConfig(
+        layers=kw.pop("layers", 1),
+        context_layers=3,
+        anchors=8,
+        steps=kw.pop("steps", 60),
+        warmup=5,
+        eval_every=10**9,
+        checkpoint_every=kw.pop("checkpoint_every", 30),
+        learning_rate=3e-3,
+        compile=False,
+        **kw,
+    )
     return Trainer(llama_pair.target, records, cfg, tmp_path / "run", mask_token_id=259)
 
 
@@ -63,7 +73,9 @@ def test_training_lowers_the_loss_and_raises_acceptance_on_its_data(llama_pair, 
     tr.train()
     after_loss = [tr.step_fn.loss(tr.batch(i)) for i in range(len(records))]
     after = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
-    print(f"loss {np.mean(first):.2f} -> {np.mean(after_loss):.2f}; acceptance on training prompts {before:.2f} -> {after:.2f}")
+    print(
+        f"loss {np.mean(first):.2f} -> {np.mean(after_loss):.2f}; acceptance on training prompts {before:.2f} -> {after:.2f}"
+    )
     assert np.mean(after_loss) < 0.7 * np.mean(first)
     assert after > before + 0.3
 
@@ -110,7 +122,9 @@ def test_fused_head_loss_equals_the_plain_weighted_cross_entropy_and_its_gradien
 def test_padding_contexts_to_a_shape_multiple_leaves_the_loss_alone(llama_pair, records, tmp_path, backend):
     if backend == "torch":
         pytest.importorskip("transformers")
-    exact, padded = (make_trainer(llama_pair, records, tmp_path / str(m), backend=backend, context_multiple=m) for m in (1, 64))
+    exact, padded = (
+        make_trainer(llama_pair, records, tmp_path / str(m), backend=backend, context_multiple=m) for m in (1, 64)
+    )
     a, b = exact.batch([0, 3]), padded.batch([0, 3])  # same seed: same anchors
     assert b.ctx.shape[1] % 64 == 0 and b.ctx.shape[1] > a.ctx.shape[1] and (a.anchors == b.anchors).all()
     exact.step_fn.autocast = padded.step_fn.autocast = False  # (torch: float32, to compare to rounding)
@@ -122,7 +136,9 @@ def test_warm_up_runs_every_context_width_once_and_leaves_training_unchanged(lla
     if backend == "torch":
         pytest.importorskip("transformers")
     records = [{**r, "response_ids": r["response_ids"][: 20 + 5 * i]} for i, r in enumerate(records)]  # lengths differ
-    warmed, plain = (make_trainer(llama_pair, records, tmp_path / n, steps=10, backend=backend, context_multiple=8) for n in "wp")
+    warmed, plain = (
+        make_trainer(llama_pair, records, tmp_path / n, steps=10, backend=backend, context_multiple=8) for n in "wp"
+    )
     widths = sorted({-(-(len(r["prompt_ids"]) + len(r["response_ids"])) // 8) * 8 for r in records})
     assert warmed.warm_up() == widths and len(widths) > 1
     warmed.train()

@@ -14,8 +14,12 @@ PROMPTS = [f"Tell me fact number {i} about the sea." for i in range(6)]
 
 
 def distill(*args):
-    return subprocess.run([sys.executable, "-m", "mlx_glimmer.cli", "distill", *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_glimmer.cli", "distill", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture()
@@ -32,8 +36,21 @@ def records(run):
 
 def test_answers_resume_after_an_interrupted_append(checkpoints, prompt_files, tmp_path):
     run = tmp_path / "run"
-    common = [checkpoints["llama"], "--out", run, *prompt_files, "--generator", "mlx", "--answer-tokens", 10,
-              "--batch-size", 2, "--temperatures", "0,0.8", "--data-only"]
+    common = [
+        checkpoints["llama"],
+        "--out",
+        run,
+        *prompt_files,
+        "--generator",
+        "mlx",
+        "--answer-tokens",
+        10,
+        "--batch-size",
+        2,
+        "--temperatures",
+        "0,0.8",
+        "--data-only",
+    ]
     first = distill(*common)
     assert first.returncode == 0, first.stderr
     full = records(run)
@@ -41,7 +58,9 @@ def test_answers_resume_after_an_interrupted_append(checkpoints, prompt_files, t
     assert all(r["response_ids"] and len(r["response_ids"]) <= 10 for r in full)
 
     lines = (run / "data" / "responses.jsonl").read_text().splitlines(keepends=True)
-    (run / "data" / "responses.jsonl").write_text("".join(lines[:5]) + lines[5][: len(lines[5]) // 2])  # killed mid-write
+    (run / "data" / "responses.jsonl").write_text(
+        "".join(lines[:5]) + lines[5][: len(lines[5]) // 2]
+    )  # killed mid-write
     again = distill(*common)
     assert again.returncode == 0, again.stderr
     resumed = records(run)  # every line parses: the cut line was dropped, not appended to
@@ -55,13 +74,49 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     if backend == "torch":
         pytest.importorskip("transformers")
     run = tmp_path / "run"
-    data = distill(checkpoints["llama"], "--out", run, *prompt_files, "--generator", "mlx", "--answer-tokens", 24,
-                   "--batch-size", 3, "--data-only")
+    data = distill(
+        checkpoints["llama"],
+        "--out",
+        run,
+        *prompt_files,
+        "--generator",
+        "mlx",
+        "--answer-tokens",
+        24,
+        "--batch-size",
+        3,
+        "--data-only",
+    )
     assert data.returncode == 0, data.stderr
     before = (run / "data" / "responses.jsonl").read_bytes()
-    train = distill(checkpoints["llama"], "--out", run, *prompt_files, "--train-only", "--train-backend", backend,
-                    "--layers", 1, "--context-layers", 3, "--anchors", 4, "--sequences-per-step", 2, "--steps", 6,
-                    "--eval-every", 3, "--eval-prompts", 1, "--eval-tokens", 8, "--mask-token", 259, "--no-compile")
+    train = distill(
+        checkpoints["llama"],
+        "--out",
+        run,
+        *prompt_files,
+        "--train-only",
+        "--train-backend",
+        backend,
+        "--layers",
+        1,
+        "--context-layers",
+        3,
+        "--anchors",
+        4,
+        "--sequences-per-step",
+        2,
+        "--steps",
+        6,
+        "--eval-every",
+        3,
+        "--eval-prompts",
+        1,
+        "--eval-tokens",
+        8,
+        "--mask-token",
+        259,
+        "--no-compile",
+    )
     assert train.returncode == 0, train.stderr
     assert (run / "data" / "responses.jsonl").read_bytes() == before  # nothing generated
     log = json.loads((run / "log.json").read_text())
@@ -69,16 +124,49 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     assert log["answers"] == 6 and log["eval"]["block_size"] == 16
     pair = mlx_glimmer.load(target=checkpoints["llama"], drafter=run / "drafter")
     prompt = [256] + list(b"a prompt never seen")
-    assert mlx_glimmer.generate(pair, prompt, max_tokens=40).token_ids == \
-        mlx_glimmer.generate(pair, prompt, max_tokens=40, speculative=False).token_ids
+    assert (
+        mlx_glimmer.generate(pair, prompt, max_tokens=40).token_ids
+        == mlx_glimmer.generate(pair, prompt, max_tokens=40, speculative=False).token_ids
+    )
 
 
 def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_files, tmp_path):
     run, tuned = tmp_path / "run", tmp_path / "tuned"
-    common = [checkpoints["llama"], *prompt_files, "--layers", 1, "--context-layers", 3, "--anchors", 4,
-              "--sequences-per-step", 2, "--eval-prompts", 1, "--eval-tokens", 8, "--mask-token", 259, "--train-backend", "mlx"]
-    first = distill(*common, "--out", run, "--generator", "mlx", "--answer-tokens", 16, "--batch-size", 3,
-                    "--steps", 4, "--eval-every", 4)
+    common = [
+        checkpoints["llama"],
+        *prompt_files,
+        "--layers",
+        1,
+        "--context-layers",
+        3,
+        "--anchors",
+        4,
+        "--sequences-per-step",
+        2,
+        "--eval-prompts",
+        1,
+        "--eval-tokens",
+        8,
+        "--mask-token",
+        259,
+        "--train-backend",
+        "mlx",
+    ]
+    first = distill(
+        *common,
+        "--out",
+        run,
+        "--generator",
+        "mlx",
+        "--answer-tokens",
+        16,
+        "--batch-size",
+        3,
+        "--steps",
+        4,
+        "--eval-every",
+        4,
+    )
     assert first.returncode == 0, first.stderr
     (tuned / "data").mkdir(parents=True)
     (tuned / "data" / "responses.jsonl").write_bytes((run / "data" / "responses.jsonl").read_bytes())
@@ -96,4 +184,6 @@ def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt
     nothing = distill(checkpoints["llama"], "--out", tmp_path / "b", *prompt_files, "--train-only")
     for proc, needle in ((both, "--data-only and --train-only"), (nothing, "responses.jsonl")):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+        assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
+            proc.stderr
+        )

@@ -79,5 +79,6 @@ def test_a_quantized_tied_embedding_is_gathered_by_rows_too():
     ids = mx.array([5, 1, 299], dtype=mx.int32)
     h = mx.random.normal((2, 64), key=mx.random.key(1))
     full = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 4)
-    np.testing.assert_allclose(np.array(row_projection(quantized, ids)(h)), np.array(h @ full[ids].T), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(row_projection(quantized, ids)(h)), np.array(h @ full[ids].T), rtol=1e-5, atol=1e-5
+    )

@@ -63,7 +63,11 @@ def replay_dflash2(path, window_shift=0):
     ours = load_dflash2_model(path)
     cfg = ours.config
     assert cfg.sliding_window == 8 and cfg.block_size == 10 > cfg.sliding_window
-    assert [layer.self_attn.causal for layer in ours.layers] == [layer.self_attn.is_causal for layer in ref.layers] == [True, False]
+    assert (
+        [layer.self_attn.causal for layer in ours.layers]
+        == [layer.self_attn.is_causal for layer in ref.layers]
+        == [True, False]
+    )
     for layer in ours.layers:
         if layer.self_attn.window is not None:
             layer.self_attn.window += window_shift
@@ -105,7 +109,9 @@ def replay_dflash2(path, window_shift=0):
         tokens, _, _, _ = ours.candidate_selector.select(h, logits, anchor)
         same_tokens &= tokens.tolist() == ref_tokens
         # Sampling: the first position's draft distribution (its predecessor is the anchor) is the reference's.
-        _, cands, _, q = ours.candidate_selector.select(h, logits, anchor, SamplingParams(temperature=0.7), mx.random.key(1))
+        _, cands, _, q = ours.candidate_selector.select(
+            h, logits, anchor, SamplingParams(temperature=0.7), mx.random.key(1)
+        )
         theirs = dict(zip(ref_cands[0, 0].tolist(), ref_q[0, 0].tolist()))
         mine = dict(zip(cands[0].tolist(), q[0].tolist()))
         worst_q = max(worst_q, max(abs(mine[t] - theirs[t]) for t in mine) if set(mine) == set(theirs) else np.inf)
@@ -165,7 +171,9 @@ def test_greedy_output_equals_plain_decoding_far_past_the_window(kind, pairs):
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 256, size=13).tolist()
     expected = plain_greedy(pair.target, prompt, 60)  # 73 positions: 9 windows of 8
-    steps = list(generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=60))
+    steps = list(
+        generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=60)
+    )
     assert [t for s in steps for t in s.tokens] == expected
     drafted = [s.drafted for s in steps[1:]]
     assert max(drafted) == pair.drafter.block_size - 1
@@ -182,13 +190,17 @@ def test_dspark_head_without_its_own_embedding_borrows_the_target(family_ckpts, 
     head = tmp_path / "head"
     shutil.copytree(family_ckpts["dspark"], head)
     weights = mx.load(str(head / "model.safetensors"))
-    mx.save_safetensors(str(head / "model.safetensors"),
-                        {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))})
+    mx.save_safetensors(
+        str(head / "model.safetensors"),
+        {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))},
+    )
     pair = mlx_glimmer.load(target=checkpoints["muse"], drafter=head)
     cfg = pair.drafter.config
     assert not cfg.own_embeddings and not cfg.own_head
     prompt = list(range(30, 45))
-    steps = list(generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=30))
+    steps = list(
+        generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=30)
+    )
     assert [t for s in steps for t in s.tokens] == plain_greedy(pair.target, prompt, 30)
 
 
@@ -223,10 +235,25 @@ def small_vocab_pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families_v32")
     tc.build_muse_target(root / "t", vocab_size=V, layers=4, weight_std=0.12, seed=5)
     heads = {
-        "dflash2": fc.build_dflash2(root / "dflash2", vocab_size=V, target_layer_ids=(0, 2), num_target_layers=4,
-                                    mask_token_id=V - 1, block_size=4, seed=6),
-        "dspark_gated": fc.build_dspark(root / "dspark", vocab_size=V, target_layer_ids=(0, 2), num_target_layers=4,
-                                        mask_token_id=V - 1, block_size=3, seed=7, confidence_threshold=0.4),
+        "dflash2": fc.build_dflash2(
+            root / "dflash2",
+            vocab_size=V,
+            target_layer_ids=(0, 2),
+            num_target_layers=4,
+            mask_token_id=V - 1,
+            block_size=4,
+            seed=6,
+        ),
+        "dspark_gated": fc.build_dspark(
+            root / "dspark",
+            vocab_size=V,
+            target_layer_ids=(0, 2),
+            num_target_layers=4,
+            mask_token_id=V - 1,
+            block_size=3,
+            seed=7,
+            confidence_threshold=0.4,
+        ),
     }
     return {kind: mlx_glimmer.load(target=root / "t", drafter=path) for kind, path in heads.items()}
 
@@ -242,8 +269,17 @@ def test_sampled_tokens_follow_the_target_distribution(kind, small_vocab_pairs):
     draws, kept, rejected = [], 0, 0
     for seed in range(400):
         # 5 tokens: the first verification offers up to 3 drafts, so tokens 2 and 3 can both be drafted ones.
-        steps = list(generate_steps(pair.target, PROMPT, drafter=pair.drafter, params=params,
-                                    block_size=pair.drafter.block_size, max_tokens=5, seed=seed))
+        steps = list(
+            generate_steps(
+                pair.target,
+                PROMPT,
+                drafter=pair.drafter,
+                params=params,
+                block_size=pair.drafter.block_size,
+                max_tokens=5,
+                seed=seed,
+            )
+        )
         kept += sum(len(s.tokens) - 1 for s in steps[1:])
         rejected += sum(s.drafted - (len(s.tokens) - 1) for s in steps[1:] if not s.stopped)
         draws.append([t for s in steps for t in s.tokens][:3])
@@ -305,18 +341,52 @@ def test_dspark_weights_of_the_wrong_vocabulary_are_one_error_line(family_ckpts,
 
 
 @pytest.mark.parametrize("kind, bits", [("dflash2", "8"), ("dspark", "16")])
-def test_convert_then_generate_equals_no_spec_and_json_names_the_family(kind, bits, family_ckpts, checkpoints, tmp_path, capsys):
+def test_convert_then_generate_equals_no_spec_and_json_names_the_family(
+    kind, bits, family_ckpts, checkpoints, tmp_path, capsys
+):
     from mlx_glimmer.cli import main
 
     bundle = tmp_path / "bundle"
-    assert main(["convert", "--target", str(checkpoints["muse"]), "--drafter", str(family_ckpts[kind]),
-                 "--out", str(bundle), "--bits", "16", "--drafter-bits", bits, "--dtype", "float32", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--target",
+                str(checkpoints["muse"]),
+                "--drafter",
+                str(family_ckpts[kind]),
+                "--out",
+                str(bundle),
+                "--bits",
+                "16",
+                "--drafter-bits",
+                bits,
+                "--dtype",
+                "float32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     drafter_cfg = json.loads((bundle / "drafter" / "config.json").read_text())
     assert ("quantization" in drafter_cfg) == (bits != "16")
     runs = {}
     for flag in ([], ["--no-spec"]):
-        code = main(["generate", str(bundle), "--prompt", "The quick brown fox", "--max-tokens", "40", "--temp", "0", "--json", *flag])
+        code = main(
+            [
+                "generate",
+                str(bundle),
+                "--prompt",
+                "The quick brown fox",
+                "--max-tokens",
+                "40",
+                "--temp",
+                "0",
+                "--json",
+                *flag,
+            ]
+        )
         assert code == 0
         runs[bool(flag)] = json.loads(capsys.readouterr().out)
     spec, plain = runs[False], runs[True]
@@ -334,7 +404,18 @@ def test_convert_refuses_a_mismatched_head_with_one_error_line(kind, family_ckpt
     from mlx_glimmer.cli import main
 
     bad = _edit_config(family_ckpts[kind], tmp_path / "bad", hidden_size=96)
-    code = main(["convert", "--target", str(checkpoints["muse"]), "--drafter", str(bad), "--out", str(tmp_path / "b"), "--quiet"])
+    code = main(
+        [
+            "convert",
+            "--target",
+            str(checkpoints["muse"]),
+            "--drafter",
+            str(bad),
+            "--out",
+            str(tmp_path / "b"),
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and not (tmp_path / "b").exists()
     assert len(err) == 1 and err[0].startswith("error:") and "config.json: hidden_size 96" in err[0], err

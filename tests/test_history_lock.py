@@ -180,8 +180,9 @@ def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_pa
         cid = app.conversation_id
         assert users(store, cid) == ["Turn one"]
 
-        locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(path), str(lock_s)],
-                                  stdout=subprocess.PIPE, text=True)
+        locker = subprocess.Popen(
+            [sys.executable, "-c", LOCKER, str(path), str(lock_s)], stdout=subprocess.PIPE, text=True
+        )
         assert locker.stdout.readline().strip() == "locked"
         await say(app, pilot, "Turn two")  # answered while the file is locked: the chat does not wait
         assert locker.poll() is None, "the lock ended before the check; the machine is too slow for this lock_s"

@@ -104,8 +104,12 @@ def plain(muse_pair):
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_a_dflash_round_blocks_on_the_host_once(muse_pair, plain, blocking, params, block_size):
-    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, drafter=muse_pair.drafter, params=params,
-                                         block_size=block_size, max_tokens=80), blocking)
+    steps, per = per_step(
+        generate_steps(
+            muse_pair.target, PROMPT, drafter=muse_pair.drafter, params=params, block_size=block_size, max_tokens=80
+        ),
+        blocking,
+    )
     assert all(len(p) == 1 for p in per[1:]), per
     assert per[1] == ["tolist"] and max(s.drafted for s in steps) == block_size - 1
     if params.greedy:
@@ -116,8 +120,18 @@ def test_a_dflash_round_blocks_on_the_host_once(muse_pair, plain, blocking, para
 def test_width_one_rounds_read_once_and_are_queued_one_ahead_like_plain_decoding(muse_pair, plain, params):
     plain_seam, auto_seam = Seam(muse_pair.target), Seam(muse_pair.target)
     ref, plain_per = per_step(generate_steps(plain_seam, PROMPT, params=params, max_tokens=40), plain_seam.events)
-    got, auto_per = per_step(generate_steps(auto_seam, PROMPT, drafter=muse_pair.drafter, params=params, block_size=16,
-                                            max_tokens=40, policy=AlwaysPlain()), auto_seam.events)
+    got, auto_per = per_step(
+        generate_steps(
+            auto_seam,
+            PROMPT,
+            drafter=muse_pair.drafter,
+            params=params,
+            block_size=16,
+            max_tokens=40,
+            policy=AlwaysPlain(),
+        ),
+        auto_seam.events,
+    )
     assert all(s.drafted == 0 for s in got[1:])
     assert auto_seam.events == plain_seam.events  # the same forwards, queued the same way, the same reads
     assert plain_seam.events[:5] == ["forward", "read", "forward", "forward", "read"]  # the prefill, then one ahead
@@ -128,8 +142,18 @@ def test_width_one_rounds_read_once_and_are_queued_one_ahead_like_plain_decoding
 
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_auto_mixing_plain_rounds_and_probes_reads_once_per_round(muse_pair, plain, blocking, params):
-    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, drafter=muse_pair.drafter, params=params,
-                                         block_size=8, max_tokens=80, policy=plain_leaning_policy(8)), blocking)
+    steps, per = per_step(
+        generate_steps(
+            muse_pair.target,
+            PROMPT,
+            drafter=muse_pair.drafter,
+            params=params,
+            block_size=8,
+            max_tokens=80,
+            policy=plain_leaning_policy(8),
+        ),
+        blocking,
+    )
     widths = {s.drafted + 1 for s in steps[1:]}
     assert 1 in widths and len(widths) > 1, widths
     assert all(len(p) == 1 for p in per[1:]), per
@@ -144,8 +168,9 @@ def test_plain_decoding_reads_once_per_token(muse_pair, plain, blocking):
 
 def test_an_oracle_round_reads_once_and_commits_whole_blocks(muse_pair, plain, blocking):
     oracle = OracleDrafter(len(PROMPT), plain, set(), muse_pair.target.vocab_size)
-    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=16, max_tokens=80),
-                          blocking)
+    steps, per = per_step(
+        generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=16, max_tokens=80), blocking
+    )
     assert all(len(p) == 1 for p in per[1:]) and tokens_of(steps) == plain
     assert [len(s.tokens) for s in steps[1:]] == [16] * 4 + [15]
 
@@ -163,13 +188,24 @@ def torch_muse(checkpoints):
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_torch_rounds_read_once_through_the_seam(torch_muse, muse_pair, plain, params):
     seam = Seam(torch_muse.target)
-    steps, per = per_step(generate_steps(seam, PROMPT, drafter=torch_muse.drafter, params=params, block_size=4,
-                                         max_tokens=40), seam.events)
+    steps, per = per_step(
+        generate_steps(seam, PROMPT, drafter=torch_muse.drafter, params=params, block_size=4, max_tokens=40),
+        seam.events,
+    )
     assert all(p.count("read") == 1 and "sync" not in p for p in per[1:]), per
     mixed = Seam(torch_muse.target)
-    steps_auto, per_auto = per_step(generate_steps(mixed, PROMPT, drafter=torch_muse.drafter, params=params,
-                                                   block_size=8, max_tokens=40, policy=plain_leaning_policy(8)),
-                                    mixed.events)
+    steps_auto, per_auto = per_step(
+        generate_steps(
+            mixed,
+            PROMPT,
+            drafter=torch_muse.drafter,
+            params=params,
+            block_size=8,
+            max_tokens=40,
+            policy=plain_leaning_policy(8),
+        ),
+        mixed.events,
+    )
     assert all(p.count("read") == 1 and "sync" not in p for p in per_auto[1:]), per_auto
     if params.greedy:
         assert tokens_of(steps) == tokens_of(steps_auto) == plain[:40]
@@ -181,8 +217,9 @@ def test_closing_after_a_queued_round_leaves_the_cache_as_processed(muse_pair):
 
     for drafter, policy in ((muse_pair.drafter, None), (muse_pair.drafter, AlwaysPlain())):
         state = DecodeState()
-        stream = generate_steps(muse_pair.target, PROMPT, drafter=drafter, block_size=4, max_tokens=60, state=state,
-                                policy=policy)
+        stream = generate_steps(
+            muse_pair.target, PROMPT, drafter=drafter, block_size=4, max_tokens=60, state=state, policy=policy
+        )
         for _ in range(4):
             next(stream)
         assert state.ahead in (1, 4)

@@ -40,9 +40,11 @@ def test_partitioned_filters_equal_the_sorted_ones_bit_for_bit():
     for _ in range(120):
         vocab, rows = int(rng.integers(2, 5000)), int(rng.integers(1, 6))
         logits = mx.array((rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 8)).astype(np.float32))
-        params = SamplingParams(temperature=float(rng.uniform(0.2, 1.5)),
-                                top_p=float(rng.choice([1.0, rng.uniform(0.05, 0.999)])),
-                                top_k=int(rng.choice([0, rng.integers(1, vocab + 2)])))
+        params = SamplingParams(
+            temperature=float(rng.uniform(0.2, 1.5)),
+            top_p=float(rng.choice([1.0, rng.uniform(0.05, 0.999)])),
+            top_k=int(rng.choice([0, rng.integers(1, vocab + 2)])),
+        )
         assert np.array_equal(np.array(probabilities(logits, params)), np.array(sorted_probabilities(logits, params)))
 
 
@@ -108,15 +110,18 @@ def test_the_preallocated_context_holds_what_concatenation_held(keep):
                 pos -= t
         keys, values, first = cache.fetch()
         assert (first, cache.next_pos) == (naive.first_pos, naive.next_pos)
-        assert np.array_equal(np.array(keys), np.array(naive.keys)) and np.array_equal(np.array(values), -np.array(keys))
+        assert np.array_equal(np.array(keys), np.array(naive.keys)) and np.array_equal(
+            np.array(values), -np.array(keys)
+        )
         assert cache.keys.shape[2] <= (keep or pos) + 300 + 2 * cache.step
 
 
 def test_the_classic_drafter_drafts_without_reading_and_its_rounds_read_once(muse_pair, blocking):  # noqa: F811
     plain = [t for s in generate_steps(muse_pair.target, PROMPT, max_tokens=50) for t in s.tokens]
     drafter = DraftModelDrafter(muse_pair.target.model, draft_k=4)  # the target drafts for itself: all accepted
-    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, drafter=drafter, block_size=5, max_tokens=50),
-                          blocking)
+    steps, per = per_step(
+        generate_steps(muse_pair.target, PROMPT, drafter=drafter, block_size=5, max_tokens=50), blocking
+    )
     assert [t for s in steps for t in s.tokens] == plain
     assert all(len(p) == 1 for p in per[1:]), per
     assert [len(s.tokens) for s in steps[1:6]] == [5] * 5

@@ -8,11 +8,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source directory of each package (pyproject's package-dir).
-PACKAGES = {"mlx_glimmer": ROOT / "mlx_glimmer", "mlx_glimmer.convert": ROOT / "convert", "mlx_glimmer.tui": ROOT / "tui"}
+PACKAGES = {
+    "mlx_glimmer": ROOT / "mlx_glimmer",
+    "mlx_glimmer.convert": ROOT / "convert",
+    "mlx_glimmer.tui": ROOT / "tui",
+}
 # Modules of the engine: what `mlx_glimmer.load` / `generate` run on, on either backend.
-ENGINE = ("mlx_glimmer", "mlx_glimmer.generate", "mlx_glimmer.loading", "mlx_glimmer.speculative",
-          "mlx_glimmer.target", "mlx_glimmer.settings", "mlx_glimmer.block_policy", "mlx_glimmer.drafters",
-          "mlx_glimmer.torch_backend.loading")
+ENGINE = (
+    "mlx_glimmer",
+    "mlx_glimmer.generate",
+    "mlx_glimmer.loading",
+    "mlx_glimmer.speculative",
+    "mlx_glimmer.target",
+    "mlx_glimmer.settings",
+    "mlx_glimmer.block_policy",
+    "mlx_glimmer.drafters",
+    "mlx_glimmer.torch_backend.loading",
+)
 
 
 def modules() -> dict[str, tuple[Path, bool]]:

@@ -83,7 +83,9 @@ def test_stop_token_inside_a_block_stops_exactly_there(muse_pair, plain_greedy):
     oracle = OracleDrafter(len(PROMPT), plain_greedy, set(), muse_pair.target.vocab_size)
     for drafter, bs in [(None, 1), (oracle, 16), (muse_pair.drafter, 4)]:
         got = tokens_of(
-            generate_steps(muse_pair.target, PROMPT, drafter=drafter, block_size=bs, max_tokens=N_TOKENS, stop_ids=[stop])
+            generate_steps(
+                muse_pair.target, PROMPT, drafter=drafter, block_size=bs, max_tokens=N_TOKENS, stop_ids=[stop]
+            )
         )
         assert got == plain_greedy[: first + 1]
 
@@ -105,18 +107,24 @@ def test_api_generate_speculative_equals_plain(muse_pair):
 
 def test_api_reports_high_agreement_figures(muse_pair, plain_greedy):
     """The high-agreement pair's mean acceptance and target forwards, through the public API."""
-    oracle = OracleDrafter(len(PROMPT), plain_greedy, {i for i in range(N_TOKENS) if i % 23 == 5}, muse_pair.target.vocab_size)
+    oracle = OracleDrafter(
+        len(PROMPT), plain_greedy, {i for i in range(N_TOKENS) if i % 23 == 5}, muse_pair.target.vocab_size
+    )
     pair = dataclasses.replace(muse_pair, drafter=oracle)
     res = mlx_glimmer.generate(pair, PROMPT, max_tokens=N_TOKENS, block_size=16)
     assert res.token_ids == plain_greedy
-    print(f"high-agreement pair: mean acceptance {res.stats.mean_acceptance:.2f}, "
-          f"target forwards {res.stats.target_forwards} for {res.stats.generated_tokens} tokens")
+    print(
+        f"high-agreement pair: mean acceptance {res.stats.mean_acceptance:.2f}, "
+        f"target forwards {res.stats.target_forwards} for {res.stats.generated_tokens} tokens"
+    )
     assert res.stats.target_forwards < N_TOKENS / 4
 
 
 def test_chunked_prefill_gives_the_same_tokens(muse_pair, plain_greedy):
     for step in (1, 3, 7):
         got = tokens_of(
-            generate_steps(muse_pair.target, PROMPT, drafter=muse_pair.drafter, block_size=4, max_tokens=60, prefill_step=step)
+            generate_steps(
+                muse_pair.target, PROMPT, drafter=muse_pair.drafter, block_size=4, max_tokens=60, prefill_step=step
+            )
         )
         assert got == plain_greedy[:60]

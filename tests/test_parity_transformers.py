@@ -91,12 +91,16 @@ def test_drafter_block_matches_transformers_across_rounds_past_the_window(checkp
             t_cache.crop(-B)
         pos_ids = torch.arange(position, position + n_new + B)[None]
         with torch.no_grad():
-            expected = ref(
-                noise_embeds=torch.from_numpy(noise),
-                context_hidden_states=torch.from_numpy(feats),
-                position_ids=pos_ids,
-                cache=t_cache,
-            ).last_hidden_state[0].numpy()
+            expected = (
+                ref(
+                    noise_embeds=torch.from_numpy(noise),
+                    context_hidden_states=torch.from_numpy(feats),
+                    position_ids=pos_ids,
+                    cache=t_cache,
+                )
+                .last_hidden_state[0]
+                .numpy()
+            )
         ours.extend_context(mx.array(feats), context)
         position += n_new
         got = ours(mx.array(noise), position, context)[0]
@@ -122,12 +126,16 @@ def test_drafter_parity_fails_when_the_window_rule_is_off_by_one(checkpoints):
     t_cache = DFlashCache(config=ref.config)
     t_cache.set_previous_accepted_tokens(n)
     with torch.no_grad():
-        expected = ref(
-            noise_embeds=torch.from_numpy(noise),
-            context_hidden_states=torch.from_numpy(feats),
-            position_ids=torch.arange(n + B)[None],
-            cache=t_cache,
-        ).last_hidden_state[0].numpy()
+        expected = (
+            ref(
+                noise_embeds=torch.from_numpy(noise),
+                context_hidden_states=torch.from_numpy(feats),
+                position_ids=torch.arange(n + B)[None],
+                cache=t_cache,
+            )
+            .last_hidden_state[0]
+            .numpy()
+        )
     context = ours.make_context()
     ours.extend_context(mx.array(feats), context)
     assert rel_err(ours(mx.array(noise), n, context)[0], expected) > 1e-3
@@ -151,12 +159,16 @@ def replay_rounds(ref, ours, rounds, seed=0):
         if round_idx:
             t_cache.crop(-B)
         with torch.no_grad():
-            expected = ref(
-                noise_embeds=torch.from_numpy(noise),
-                context_hidden_states=torch.from_numpy(feats),
-                position_ids=torch.arange(position, position + n_new + B)[None],
-                cache=t_cache,
-            ).last_hidden_state[0].numpy()
+            expected = (
+                ref(
+                    noise_embeds=torch.from_numpy(noise),
+                    context_hidden_states=torch.from_numpy(feats),
+                    position_ids=torch.arange(position, position + n_new + B)[None],
+                    cache=t_cache,
+                )
+                .last_hidden_state[0]
+                .numpy()
+            )
         ours.extend_context(mx.array(feats), context)
         position += n_new
         worst = max(worst, rel_err(ours(mx.array(noise), position, context)[0], expected))
@@ -177,7 +189,8 @@ def test_zlab_dflash_checkpoint_loads_with_the_same_math(tmp_path):
     zlab.mkdir()
     weights = load_file(hf / "model.safetensors")
     renamed = {
-        k.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm."): v for k, v in weights.items()
+        k.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm."): v
+        for k, v in weights.items()
     }
     save_file(renamed, zlab / "model.safetensors")
     cfg = json.loads((hf / "config.json").read_text())

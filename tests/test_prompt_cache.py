@@ -93,8 +93,14 @@ def test_follow_up_turns_reuse_their_conversation_and_equal_a_cold_start(muse_pa
     params, key = SamplingParams(temperature=1.0), mx.random.key(0)
     _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
     ref_conv = Conversation(DecodeState(), copy.copy(muse_pair.drafter))
-    mlx_glimmer.generate(replace(muse_pair, drafter=ref_conv.drafter), turn3, max_tokens=2, block_size=4,
-                         state=ref_conv.state, **sampling)
+    mlx_glimmer.generate(
+        replace(muse_pair, drafter=ref_conv.drafter),
+        turn3,
+        max_tokens=2,
+        block_size=4,
+        state=ref_conv.state,
+        **sampling,
+    )
     assert warm.tokens == ref_conv.tokens
     _, cold_probs = ref_conv.drafter.propose(ref_conv.tokens[-1], 3, params, key)
     assert mx.allclose(warm_probs, cold_probs, atol=1e-5).item()

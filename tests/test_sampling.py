@@ -155,7 +155,9 @@ def test_speculative_samples_match_target_distribution(small_vocab_pair, params)
     drafters = (small_vocab_pair.drafter, NoisyTargetDrafter(target))  # random DFlash; a close drafter
     for run, drafter in enumerate(drafters):
         for seed in range(run * 400, run * 400 + 400):  # distinct seeds: every draw independent
-            steps = list(generate_steps(target, PROMPT, drafter=drafter, params=params, block_size=4, max_tokens=3, seed=seed))
+            steps = list(
+                generate_steps(target, PROMPT, drafter=drafter, params=params, block_size=4, max_tokens=3, seed=seed)
+            )
             toks = [t for s in steps for t in s.tokens]
             kept += sum(len(s.tokens) - 1 for s in steps[1:])
             rejected += sum(s.drafted - (len(s.tokens) - 1) for s in steps[1:])
@@ -176,8 +178,18 @@ def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
     policy = WidthPolicy(cost, AcceptanceModel(3), probe_interval=2)
     draws, widths = [], set()
     for seed in range(400):
-        steps = list(generate_steps(target, PROMPT, drafter=NoisyTargetDrafter(target), params=params, block_size=4,
-                                    max_tokens=3, seed=10_000 + seed, policy=policy))
+        steps = list(
+            generate_steps(
+                target,
+                PROMPT,
+                drafter=NoisyTargetDrafter(target),
+                params=params,
+                block_size=4,
+                max_tokens=3,
+                seed=10_000 + seed,
+                policy=policy,
+            )
+        )
         widths.update(s.drafted + 1 for s in steps[1:])
         draws.append([t for s in steps for t in s.tokens][:3])
     draws = np.array(draws)

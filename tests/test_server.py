@@ -108,8 +108,13 @@ def test_models_health_and_metrics(server):
         client.models.retrieve("gpt-17")
     assert httpx.get(server.root + "/health").json()["status"] == "ok"
     m = server.metrics()
-    for name in ("glimmer_queue_depth", "glimmer_mean_acceptance", "glimmer_prefix_cache_hits_total",
-                 "glimmer_decode_tokens_per_second", "glimmer_active_memory_bytes"):
+    for name in (
+        "glimmer_queue_depth",
+        "glimmer_mean_acceptance",
+        "glimmer_prefix_cache_hits_total",
+        "glimmer_decode_tokens_per_second",
+        "glimmer_active_memory_bytes",
+    ):
         assert name in m
 
 
@@ -126,8 +131,14 @@ def test_greedy_answer_equals_generate_chat_streamed_and_not(server, bundle, cap
     stats = glimmer(whole)
     assert stats["drafter"] == "dflash" and stats["target_forwards"] >= 1 and stats["mean_acceptance"] >= 1
 
-    stream = client.chat.completions.create(model="demo", messages=ask(STORY), max_tokens=48, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=ask(STORY),
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected["text"]
@@ -140,8 +151,10 @@ def test_follow_up_turn_prefills_under_half_its_prompt_and_equals_a_cold_start(s
     client = server.client()
     messages = ask("Name three colours of the rainbow.")
     first = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And one more?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And one more?"},
+    ]
     second = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
     stats = glimmer(second)
     assert stats["prefill_tokens"] < 0.5 * second.usage.prompt_tokens
@@ -156,8 +169,11 @@ def test_completions_endpoint_and_request_fields(server, pair):
     expected = mlx_glimmer.generate(pair, prompt, max_tokens=10).text
     whole = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
     assert whole.choices[0].text == expected
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="demo", prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == expected
 
     plain = client.completions.create(model="demo", prompt=prompt, max_tokens=10, extra_body={"speculative": False})
@@ -170,10 +186,19 @@ def test_completions_endpoint_and_request_fields(server, pair):
     assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
 
     # A seed repeats a sample at a fixed width (under "auto" the widths follow timings, and so may the sample).
-    sampled = [client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.9,
-                                         seed=11, extra_body={"block_size": 4}).choices[0].text for _ in range(2)]
-    assert sampled[0] == sampled[1] == mlx_glimmer.generate(pair, prompt, max_tokens=8, temperature=0.9,
-                                                            top_p=0.9, seed=11, block_size=4).text
+    sampled = [
+        client.completions.create(
+            model="demo", prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.9, seed=11, extra_body={"block_size": 4}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert (
+        sampled[0]
+        == sampled[1]
+        == mlx_glimmer.generate(pair, prompt, max_tokens=8, temperature=0.9, top_p=0.9, seed=11, block_size=4).text
+    )
 
 
 def conversation(server, index: int) -> list[str]:
@@ -235,8 +260,10 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     next(iter(stream))  # the model is busy with this one
     body = {"model": "demo", "messages": ask("Say hi."), "max_tokens": 1}
     with ThreadPoolExecutor(MAX_QUEUE + 4) as pool:
-        futures = [pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=300)
-                   for _ in range(MAX_QUEUE + 4)]
+        futures = [
+            pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=300)
+            for _ in range(MAX_QUEUE + 4)
+        ]
         time.sleep(1.0)
         stream.close()
         responses = [f.result() for f in futures]
@@ -259,8 +286,15 @@ BAD_REQUESTS = [
     ("message without a role", {"model": "demo", "messages": [{"content": "hi"}]}, 400, "messages.0.role"),
     ("user message without content", {"model": "demo", "messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("unknown role", {"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ("image content", {"model": "demo", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    (
+        "image content",
+        {
+            "model": "demo",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        },
+        400,
+        "messages.0.content",
+    ),
     ("negative max_tokens", {"model": "demo", "messages": ask("hi"), "max_tokens": -5}, 400, "max_tokens"),
     ("non-numeric temperature", {"model": "demo", "messages": ask("hi"), "temperature": "hot"}, 400, "temperature"),
     ("top_p out of range", {"model": "demo", "messages": ask("hi"), "top_p": 0}, 400, "top_p"),
@@ -268,8 +302,12 @@ BAD_REQUESTS = [
     ("zero block_size", {"model": "demo", "messages": ask("hi"), "block_size": 0}, 400, "block_size"),
     ("unknown model", {"model": "gpt-17", "messages": ask("hi")}, 404, "model"),
     ("n > 1", {"model": "demo", "messages": ask("hi"), "n": 2}, 400, "n"),
-    ("tools", {"model": "demo", "messages": ask("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
+    (
+        "tools",
+        {"model": "demo", "messages": ask("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
     ("logprobs", {"model": "demo", "messages": ask("hi"), "logprobs": True}, 400, "logprobs"),
     ("five stop strings", {"model": "demo", "messages": ask("hi"), "stop": list("abcde")}, 400, "stop"),
     ("prompt over the context", {"model": "demo", "messages": ask(LONG)}, 400, "messages"),
@@ -279,7 +317,11 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("what, body, status, param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server, what, body, status, param):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     for stream in (False, True):
         if stream and isinstance(body, dict):
             body = {**body, "stream": True}
@@ -298,12 +340,18 @@ def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server, what, 
 
 
 def test_bad_completions_and_routes(server):
-    for body, param in [({"model": "demo"}, "prompt"), ({"model": "demo", "prompt": ""}, "prompt"),
-                        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"), ({"model": "demo", "prompt": [10**9]}, "prompt"),
-                        ({"model": "demo", "prompt": "hi", "echo": True}, "echo")]:
+    for body, param in [
+        ({"model": "demo"}, "prompt"),
+        ({"model": "demo", "prompt": ""}, "prompt"),
+        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "demo", "prompt": [10**9]}, "prompt"),
+        ({"model": "demo", "prompt": "hi", "echo": True}, "echo"),
+    ]:
         r = httpx.post(server.url + "/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
-    huge = httpx.post(server.url + "/chat/completions", json={"model": "demo", "messages": ask("x" * 2**21)}, timeout=60)
+    huge = httpx.post(
+        server.url + "/chat/completions", json={"model": "demo", "messages": ask("x" * 2**21)}, timeout=60
+    )
     assert huge.status_code == 413 and huge.json()["error"]["message"]
     assert httpx.get(server.url + "/nowhere").status_code == 404
     assert httpx.get(server.url + "/chat/completions").status_code == 405

@@ -71,16 +71,35 @@ def chat(**fields) -> dict:
 
 
 KNOWN = [  # (what, path, body, status, param)
-    ("lone surrogate in content", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
-     400, "messages.0.content"),
-    ("lone surrogate in a text part", CHAT,
-     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}', 400,
-     "messages.0.content.0.text"),
+    (
+        "lone surrogate in content",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+        400,
+        "messages.0.content",
+    ),
+    (
+        "lone surrogate in a text part",
+        CHAT,
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+        400,
+        "messages.0.content.0.text",
+    ),
     ("lone surrogate in the prompt", COMPLETIONS, '{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt"),
-    ("lone surrogate in stop", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', 400,
-     "stop"),
-    ("lone surrogate in model", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', 400,
-     "model"),
+    (
+        "lone surrogate in stop",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}',
+        400,
+        "stop",
+    ),
+    (
+        "lone surrogate in model",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}',
+        400,
+        "model",
+    ),
     ("100k nested [", CHAT, "[" * 100_000, 400, None),
     ("100k nested [ in a field", CHAT, '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
     ("nesting past 64 levels", CHAT, chat(metadata=json.loads("[" * 80 + "]" * 80)), 400, "metadata"),
@@ -90,10 +109,20 @@ KNOWN = [  # (what, path, body, status, param)
     ("max_tokens: 0", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens: 10**30", CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
     ("temperature: true", CHAT, chat(temperature=True), 400, "temperature"),
-    ("temperature: NaN", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
-     "temperature"),
-    ("temperature: -Infinity", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
-     400, "temperature"),
+    (
+        "temperature: NaN",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    (
+        "temperature: -Infinity",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+        400,
+        "temperature",
+    ),
     ("top_k: true", CHAT, chat(top_k=True), 400, "top_k"),
     ("top_k: 2.5", CHAT, chat(top_k=2.5), 400, "top_k"),
     ("seed: true", CHAT, chat(seed=True), 400, "seed"),
@@ -113,18 +142,38 @@ KNOWN = [  # (what, path, body, status, param)
     ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
     ("message: null", CHAT, chat(messages=[None]), 400, "messages.0"),
     ("stream_options: 5", CHAT, chat(stream=True, stream_options=5), 400, "stream_options"),
-    ("include_usage: 1", CHAT, chat(stream=True, stream_options={"include_usage": 1}), 400,
-     "stream_options.include_usage"),
+    (
+        "include_usage: 1",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": 1}),
+        400,
+        "stream_options.include_usage",
+    ),
     ("chat_template_kwargs a list", CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
     ("body null", CHAT, "null", 400, None),
     ("body a list", COMPLETIONS, "[1, 2]", 400, None),
     ("empty body", CHAT, "", 400, None),
     ("invalid UTF-8", COMPLETIONS, b'{"prompt": "\xff"}', 400, None),
-] + [(f"chat_template_kwargs {{{key!r}: ...}}", CHAT, chat(chat_template_kwargs={key: value}), 400,
-      "chat_template_kwargs")
-     for key, value in [("add_generation_prompt", False), ("tokenize", True), ("messages", []), ("tools", 5),
-                        ("conversation", 5), ("continue_final_message", True), ("return_dict", True),
-                        ("chat_template", "{{ x"), ("bos_token", "")]]
+] + [
+    (
+        f"chat_template_kwargs {{{key!r}: ...}}",
+        CHAT,
+        chat(chat_template_kwargs={key: value}),
+        400,
+        "chat_template_kwargs",
+    )
+    for key, value in [
+        ("add_generation_prompt", False),
+        ("tokenize", True),
+        ("messages", []),
+        ("tools", 5),
+        ("conversation", 5),
+        ("continue_final_message", True),
+        ("return_dict", True),
+        ("chat_template", "{{ x"),
+        ("bos_token", ""),
+    ]
+]
 
 
 @pytest.mark.parametrize("what, path, body, status, param", KNOWN, ids=[k[0] for k in KNOWN])
@@ -152,7 +201,9 @@ def test_template_variables_that_are_not_reserved_pass_through(client):
     plain, _ = post(client, CHAT, chat())
     varied, _ = post(client, CHAT, chat(chat_template_kwargs={"reasoning_strength": "low", "enable_thinking": False}))
     assert plain.status_code == varied.status_code == 200
-    assert varied.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # the template reads neither
+    assert (
+        varied.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    )  # the template reads neither
 
 
 # ---- the property ----------------------------------------------------------------------------------------
@@ -162,15 +213,27 @@ TEXT = st.one_of(st.text(max_size=12), SURROGATES, st.sampled_from(["", "hi", "\
 INTS = st.one_of(st.integers(-5, 8), st.sampled_from([2**31, 2**63, 2**64, 2**70, 10**30, -(2**70)]))
 FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.5, 1.0, 1.5]))
 SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT)
-WILD = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(TEXT, inner, max_size=3)), max_leaves=8)
+WILD = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
+    max_leaves=8,
+)
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", "", "USER"])
-PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
-                 st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "text"])}), WILD)
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "text"])}),
+    WILD,
+)
 MESSAGE = st.one_of(
-    st.fixed_dictionaries({"role": ROLES, "content": st.one_of(TEXT, st.lists(PART, max_size=2), WILD)},
-                          optional={"name": st.one_of(TEXT, WILD), "tool_call_id": st.one_of(TEXT, WILD),
-                                    "tool_calls": WILD, "reasoning_content": st.one_of(TEXT, WILD)}),
+    st.fixed_dictionaries(
+        {"role": ROLES, "content": st.one_of(TEXT, st.lists(PART, max_size=2), WILD)},
+        optional={
+            "name": st.one_of(TEXT, WILD),
+            "tool_call_id": st.one_of(TEXT, WILD),
+            "tool_calls": WILD,
+            "reasoning_content": st.one_of(TEXT, WILD),
+        },
+    ),
     WILD,
 )
 
@@ -206,16 +269,33 @@ CHAT_FIELDS = {
     "tool_choice": st.sampled_from(["auto", "none", "required"]),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "reasoning_effort": field(st.sampled_from(["low", "medium", "high"]), st.just("max")),
-    "chat_template_kwargs": st.dictionaries(field(st.sampled_from(["enable_thinking", "reasoning_strength"]),
-                                                  st.sampled_from(sorted(RESERVED_TEMPLATE_KWARGS))), WILD, max_size=2),
+    "chat_template_kwargs": st.dictionaries(
+        field(
+            st.sampled_from(["enable_thinking", "reasoning_strength"]),
+            st.sampled_from(sorted(RESERVED_TEMPLATE_KWARGS)),
+        ),
+        WILD,
+        max_size=2,
+    ),
 }
-COMPLETION_FIELDS = {**COMMON, "echo": field(st.just(False), st.booleans()), "suffix": field(st.just(""), TEXT),
-                     "best_of": field(st.just(1), st.integers(0, 2))}
-MESSAGES = field(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": PLAIN_TEXT}),
-                          min_size=1, max_size=3).map(lambda ms: [*ms, {"role": "user", "content": "hi"}]),
-                 st.one_of(st.lists(MESSAGE, max_size=3), WILD))
-PROMPT = field(st.one_of(PLAIN_TEXT, st.lists(st.integers(0, 255), min_size=1, max_size=4)),
-               st.one_of(TEXT, st.lists(st.integers(-1, 300), max_size=4), st.lists(TEXT, max_size=2), WILD))
+COMPLETION_FIELDS = {
+    **COMMON,
+    "echo": field(st.just(False), st.booleans()),
+    "suffix": field(st.just(""), TEXT),
+    "best_of": field(st.just(1), st.integers(0, 2)),
+}
+MESSAGES = field(
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": PLAIN_TEXT}),
+        min_size=1,
+        max_size=3,
+    ).map(lambda ms: [*ms, {"role": "user", "content": "hi"}]),
+    st.one_of(st.lists(MESSAGE, max_size=3), WILD),
+)
+PROMPT = field(
+    st.one_of(PLAIN_TEXT, st.lists(st.integers(0, 255), min_size=1, max_size=4)),
+    st.one_of(TEXT, st.lists(st.integers(-1, 300), max_size=4), st.lists(TEXT, max_size=2), WILD),
+)
 
 
 def bodies(required: dict, optional: dict):
@@ -230,14 +310,20 @@ BODIES = st.one_of(  # (path, the body as JSON text)
     st.tuples(st.just(CHAT), bodies({"messages": MESSAGES}, CHAT_FIELDS)),
     st.tuples(st.just(COMPLETIONS), bodies({"prompt": PROMPT}, COMPLETION_FIELDS)),
     st.tuples(st.sampled_from([CHAT, COMPLETIONS]), WILD.map(json.dumps)),  # not an object, or an object of anything
-    st.tuples(st.sampled_from([CHAT, COMPLETIONS]),
-              st.integers(1, 3000).map(lambda n: "[" * n + "]" * n)),  # nesting, past Python's recursion limit too
+    st.tuples(
+        st.sampled_from([CHAT, COMPLETIONS]), st.integers(1, 3000).map(lambda n: "[" * n + "]" * n)
+    ),  # nesting, past Python's recursion limit too
 )
 
 
 def test_drawn_request_bodies_get_200_or_an_openai_4xx(client, capfd):
-    @settings(max_examples=250, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=250,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(BODIES)
     def check(drawn):
         path, body = drawn

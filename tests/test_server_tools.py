@@ -52,13 +52,12 @@ MUSE_TEMPLATE = (
 )
 MUSE_CALL = (
     "to=self<|message|>The user wants the weather; call the tool.<|eom|>"
-    "<|start|>assistant to=get_weather<|message|><atem:function_calls><atem:invoke name=\"get_weather\">"
-    "<atem:parameter name=\"city\">\"Paris\"</atem:parameter><atem:parameter name=\"days\">2</atem:parameter>"
+    '<|start|>assistant to=get_weather<|message|><atem:function_calls><atem:invoke name="get_weather">'
+    '<atem:parameter name="city">"Paris"</atem:parameter><atem:parameter name="days">2</atem:parameter>'
     "</atem:invoke></atem:function_calls><|eom|>"
 )
 MUSE_ANSWER = (
-    "to=self<|message|>The tool says 18 C.<|eom|>"
-    "<|start|>assistant to=user<|message|>It is 18 C in Paris.<|eot|>"
+    "to=self<|message|>The tool says 18 C.<|eom|><|start|>assistant to=user<|message|>It is 18 C in Paris.<|eot|>"
 )
 MUSE_REASONING = (
     "to=self<|message|>First, add.<|eom|>"
@@ -86,10 +85,18 @@ THINK_ANSWER = "<think>The tool answered.</think>It is 18 C in Paris."
 THINK_REASONING = "<think>Two and two.</think>The answer is 4."
 THINK_SCRIPTS = [["tool result:", THINK_ANSWER], ["Explain", THINK_REASONING], ["", THINK_CALL]]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather forecast for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 EXPLAIN = [{"role": "user", "content": "Explain 2 + 2."}]
@@ -116,8 +123,22 @@ class Server:
     """`mlx-glimmer serve` on a scripted target, in its own process."""
 
     def __init__(self, spec: Path, target: Path, drafter: Path, timeout: float = 300):
-        cmd = [sys.executable, str(HERE / "scripted_serve.py"), str(spec), "--", "serve", str(target),
-               "--drafter", str(drafter), "--port", "0", "--max-queue", "4", "--model-name", "tiny"]
+        cmd = [
+            sys.executable,
+            str(HERE / "scripted_serve.py"),
+            str(spec),
+            "--",
+            "serve",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--port",
+            "0",
+            "--max-queue",
+            "4",
+            "--model-name",
+            "tiny",
+        ]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         self.log: list[str] = []
         lines: queue.Queue = queue.Queue()
@@ -183,8 +204,9 @@ def muse(tmp_path_factory, checkpoints):
 
 @pytest.fixture(scope="module")
 def think(tmp_path_factory, checkpoints):
-    server, pair = start(tmp_path_factory, checkpoints, "think_tools", THINK_TEMPLATE, THINK_SCRIPTS,
-                         ["<think>", "</think>"])
+    server, pair = start(
+        tmp_path_factory, checkpoints, "think_tools", THINK_TEMPLATE, THINK_SCRIPTS, ["<think>", "</think>"]
+    )
     yield server, pair
     server.stop()
     assert "Traceback" not in "".join(server.log), "".join(server.log)
@@ -229,8 +251,9 @@ def test_a_tool_call_comes_back_parsed_whole_and_streamed(request, model, argume
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == arguments
     assert choice.message.content is None
-    assert choice.message.reasoning_content == ("The user wants the weather; call the tool." if model == "muse"
-                                                else "I should call the tool.")
+    assert choice.message.reasoning_content == (
+        "The user wants the weather; call the tool." if model == "muse" else "I should call the tool."
+    )
     assert whole.model_extra["glimmer"]["drafter"] == "dflash"  # the speculative loop made it
 
     s = streamed(ask(server, ASK, tools=[WEATHER, CLOCK], stream=True))
@@ -240,23 +263,39 @@ def test_a_tool_call_comes_back_parsed_whole_and_streamed(request, model, argume
     assert json.loads(s["calls"][0]["arguments"]) == arguments and s["calls"][0]["id"].startswith("call_")
 
 
-@pytest.mark.parametrize("model, answer, reasoning", [("muse", "It is 18 C in Paris.", "The tool says 18 C."),
-                                                      ("think", "It is 18 C in Paris.", "The tool answered.")])
+@pytest.mark.parametrize(
+    "model, answer, reasoning",
+    [("muse", "It is 18 C in Paris.", "The tool says 18 C."), ("think", "It is 18 C in Paris.", "The tool answered.")],
+)
 def test_the_tool_result_goes_back_through_the_template(request, model, answer, reasoning):
     server, pair = request.getfixturevalue(model)
     first = ask(server, ASK, tools=[WEATHER])
     message = first.choices[0].message
     (call,) = message.tool_calls
-    history = ASK + [message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    history = ASK + [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
     follow = ask(server, history, tools=[WEATHER])
     assert follow.choices[0].finish_reason == "stop" and follow.choices[0].message.tool_calls is None
     assert follow.choices[0].message.content == answer  # the script for "the tool has answered" was chosen
     assert follow.choices[0].message.reasoning_content == reasoning
     # The prompt is what the template writes for the call (arguments as an object) and the named result.
-    rendered = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)}}]},
-        {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "18 C"}]
+    rendered = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "18 C"},
+    ]
     text = pair.tokenizer.apply_chat_template(rendered, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert follow.usage.prompt_tokens == len(pair.tokenizer.encode(text, add_special_tokens=False))
 
@@ -269,7 +308,7 @@ def test_tool_choice_none_offers_and_parses_no_call(muse):
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert r.usage.prompt_tokens < offered.usage.prompt_tokens  # the tools were not rendered
     # The (scripted) model calls anyway: that text stays in the content, unparsed.
-    assert choice.message.content.startswith("<atem:function_calls><atem:invoke name=\"get_weather\">")
+    assert choice.message.content.startswith('<atem:function_calls><atem:invoke name="get_weather">')
     s = streamed(ask(server, ASK, tools=[WEATHER], tool_choice="none", stream=True))
     assert s["calls"] == {} and s["content"] == choice.message.content and s["finish"] == "stop"
 
@@ -284,9 +323,22 @@ def test_required_and_named_tool_choice_are_checked(muse):
     with pytest.raises(openai.UnprocessableEntityError) as e:  # the model called get_weather anyway
         ask(server, ASK, tools=[WEATHER, CLOCK], tool_choice=named_other)
     assert e.value.body["code"] == "tool_choice_not_met" and "get_time" in e.value.body["message"]
-    events = [line for line in httpx.post(server.url + "/chat/completions", timeout=120, json={
-        "model": "tiny", "messages": ASK, "max_tokens": MAX_TOKENS, "stream": True, "tools": [WEATHER, CLOCK],
-        "tool_choice": named_other}).text.splitlines() if line.startswith("data: ")]
+    events = [
+        line
+        for line in httpx.post(
+            server.url + "/chat/completions",
+            timeout=120,
+            json={
+                "model": "tiny",
+                "messages": ASK,
+                "max_tokens": MAX_TOKENS,
+                "stream": True,
+                "tools": [WEATHER, CLOCK],
+                "tool_choice": named_other,
+            },
+        ).text.splitlines()
+        if line.startswith("data: ")
+    ]
     bodies = [json.loads(line[6:]) for line in events[:-1]]
     assert events[-1] == "data: [DONE]" and bodies[-1]["error"]["code"] == "tool_choice_not_met"
     assert not any(c.get("choices") and c["choices"][0]["delta"].get("tool_calls") for c in bodies)
@@ -296,19 +348,50 @@ BAD_TOOLS = [
     ("tools not a list", {"tools": {"type": "function"}}, "tools"),
     ("tool without a function", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("unknown tool type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
-    ("function without a name", {"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools.0.function.name"),
-    ("name with spaces", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
-    ("parameters not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
-     "tools.0.function.parameters"),
+    (
+        "function without a name",
+        {"tools": [{"type": "function", "function": {"description": "x"}}]},
+        "tools.0.function.name",
+    ),
+    (
+        "name with spaces",
+        {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools.0.function.name",
+    ),
+    (
+        "parameters not an object",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        "tools.0.function.parameters",
+    ),
     ("a function twice", {"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
     ("unknown tool_choice", {"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
-    ("tool_choice naming no tool", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     "tool_choice"),
+    (
+        "tool_choice naming no tool",
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tool_choice",
+    ),
     ("required without tools", {"tool_choice": "required"}, "tool_choice"),
-    ("tool message without a call id", {"messages": ASK + [{"role": "tool", "content": "18 C"}]}, "messages.1.tool_call_id"),
-    ("call arguments not JSON", {"messages": ASK + [{"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}, "messages.1.tool_calls.0.function.arguments"),
+    (
+        "tool message without a call id",
+        {"messages": ASK + [{"role": "tool", "content": "18 C"}]},
+        "messages.1.tool_call_id",
+    ),
+    (
+        "call arguments not JSON",
+        {
+            "messages": ASK
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+            ]
+        },
+        "messages.1.tool_calls.0.function.arguments",
+    ),
     ("deprecated functions", {"functions": [{"name": "f"}]}, "functions"),
 ]
 
@@ -349,8 +432,14 @@ def test_reasoning_and_answer_arrive_apart_and_add_up_to_the_plain_generation(re
         assert marker not in s["content"] + s["reasoning"]
     # Nothing but the markers is taken out: reasoning + answer is the plain text without them.
     stripped = plain
-    for marker in ("to=self<|message|>", "<|eom|><|start|>assistant ", "to=user<|message|>", "<|eot|>", "<think>",
-                   "</think>"):
+    for marker in (
+        "to=self<|message|>",
+        "<|eom|><|start|>assistant ",
+        "to=user<|message|>",
+        "<|eot|>",
+        "<think>",
+        "</think>",
+    ):
         stripped = stripped.replace(marker, "")
     assert message.reasoning_content + message.content == stripped
 
@@ -360,8 +449,14 @@ def test_reasoning_effort_goes_to_the_templates_own_variable(request, model, var
     server, pair = request.getfixturevalue(model)
     low = ask(server, EXPLAIN, reasoning_effort="low", max_tokens=2)
     high = ask(server, EXPLAIN, reasoning_effort="high", max_tokens=2)
-    expected = len(pair.tokenizer.encode(pair.tokenizer.apply_chat_template(
-        EXPLAIN, add_generation_prompt=True, tokenize=False, **{variable: "low"}), add_special_tokens=False))
+    expected = len(
+        pair.tokenizer.encode(
+            pair.tokenizer.apply_chat_template(
+                EXPLAIN, add_generation_prompt=True, tokenize=False, **{variable: "low"}
+            ),
+            add_special_tokens=False,
+        )
+    )
     assert low.usage.prompt_tokens == expected
     assert high.usage.prompt_tokens == low.usage.prompt_tokens + 1  # "high" vs "low"
 
@@ -394,7 +489,10 @@ def test_the_split_does_not_depend_on_how_the_text_is_chunked(request, model):
     for text in texts:
         whole = parts_of(ResponseParser(tok, [], plan), [text])
         for size in (1, 2, 5):
-            assert parts_of(ResponseParser(tok, [], plan), [text[i : i + size] for i in range(0, len(text), size)]) == whole
+            assert (
+                parts_of(ResponseParser(tok, [], plan), [text[i : i + size] for i in range(0, len(text), size)])
+                == whole
+            )
     # Plain text from a model whose template frames channels is all content, header-like start or not.
     for text in ("Hello there.", "  to be or not to be", "to=se"):
         assert parts_of(ResponseParser(tok, [], plan), list(text)) == {"reasoning": "", "content": text, "calls": []}
@@ -403,7 +501,7 @@ def test_the_split_does_not_depend_on_how_the_text_is_chunked(request, model):
         assert opened == {"reasoning": "Some thought", "content": "Answer", "calls": []}
     # A call cut off by max_tokens is not parsed: its text stays content.
     call = MUSE_CALL if model == "muse" else THINK_CALL
-    cut = call[: call.index("\"get_weather") + 4]
+    cut = call[: call.index('"get_weather') + 4]
     got = parts_of(ResponseParser(tok, [], plan), [cut])
     assert got["calls"] == [] and got["content"]
 

@@ -33,8 +33,15 @@ from mlx_glimmer.tui.store import (
 
 
 def a_turn(i: int = 0, cancelled: bool = False) -> Turn:
-    stats = GenerationStats(prompt_tokens=10 + i, prefill_tokens=10, generated_tokens=3, acceptance_lengths=[2, 1],
-                            finish_reason="cancelled" if cancelled else "stop", drafter_kind="dflash", block_size=4)
+    stats = GenerationStats(
+        prompt_tokens=10 + i,
+        prefill_tokens=10,
+        generated_tokens=3,
+        acceptance_lengths=[2, 1],
+        finish_reason="cancelled" if cancelled else "stop",
+        drafter_kind="dflash",
+        block_size=4,
+    )
     return Turn(f"question {i}", f"answer {i}", [i, i + 1, 70000 + i], stats, cancelled)
 
 
@@ -175,8 +182,9 @@ WRITER = textwrap.dedent(
 
 
 def spawn_writer(path, name, count):
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(count)],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), name, str(count)], stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_kill_9_of_a_writer_loses_at_most_the_answer_it_was_writing(tmp_path):

@@ -67,7 +67,9 @@ def test_mlx_and_torch_decode_the_same_tokens_plain_and_speculative(name, muse_p
     plain_mlx = tokens_of(mlx_steps(mlx_pair.target, PROMPT, max_tokens=48))
     plain_torch = tokens_of(generate_steps(torch_pair.target, PROMPT, max_tokens=48))
     spec_mlx = list(mlx_steps(mlx_pair.target, PROMPT, drafter=mlx_pair.drafter, block_size=4, max_tokens=48))
-    spec_torch = list(generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=48))
+    spec_torch = list(
+        generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=48)
+    )
     assert plain_torch == plain_mlx
     assert tokens_of(spec_torch) == tokens_of(spec_mlx) == plain_mlx
     # The drafters agree too: the same tokens are accepted in the same rounds.
@@ -88,8 +90,11 @@ def test_torch_speculative_is_lossless_far_past_the_sliding_window(muse_pair, to
     spec = tokens_of(generate_steps(target, PROMPT, drafter=drafter, block_size=16, max_tokens=N_TOKENS))
     # High agreement: long accepted runs, rejections of every size, all past the window.
     wrong = {i for i in range(N_TOKENS) if i % 23 == 5 or i % 37 == 0}
-    steps = list(generate_steps(target, PROMPT, drafter=TorchOracle(len(PROMPT), plain, wrong, 272), block_size=8,
-                                max_tokens=N_TOKENS))
+    steps = list(
+        generate_steps(
+            target, PROMPT, drafter=TorchOracle(len(PROMPT), plain, wrong, 272), block_size=8, max_tokens=N_TOKENS
+        )
+    )
     assert spec == plain and tokens_of(steps) == plain
     assert max(lengths_of(steps)) == 8 and np.mean(lengths_of(steps)) > 5
 
@@ -99,8 +104,12 @@ def test_every_drafter_satisfies_the_drafter_protocol(muse_pair, torch_pairs):
     from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
     from mlx_glimmer.speculative import Drafter
 
-    drafters = [muse_pair.drafter, torch_pairs["muse"].drafter, PromptLookupDrafter(),
-                DraftModelDrafter(muse_pair.target.model)]
+    drafters = [
+        muse_pair.drafter,
+        torch_pairs["muse"].drafter,
+        PromptLookupDrafter(),
+        DraftModelDrafter(muse_pair.target.model),
+    ]
     assert all(isinstance(d, Drafter) for d in drafters)
 
 
@@ -127,11 +136,16 @@ def test_transformers_own_dflash_assisted_generation_agrees_greedy(torch_pairs):
     """The path we chose not to use (see mlx_glimmer.torch_backend) gives the same greedy tokens."""
     target, drafter = torch_pairs["muse"].target, torch_pairs["muse"].drafter
     out = target.model.generate(
-        torch.tensor([PROMPT]), assistant_model=drafter.model, speculation_type="dflash", do_sample=False,
-        max_new_tokens=48, min_new_tokens=48, eos_token_id=None,
+        torch.tensor([PROMPT]),
+        assistant_model=drafter.model,
+        speculation_type="dflash",
+        do_sample=False,
+        max_new_tokens=48,
+        min_new_tokens=48,
+        eos_token_id=None,
     )
     ours = tokens_of(generate_steps(target, PROMPT, drafter=drafter, block_size=16, max_tokens=48))
-    assert out[0, len(PROMPT):].tolist() == ours
+    assert out[0, len(PROMPT) :].tolist() == ours
 
 
 def test_distilled_drafter_proposes_from_its_draft_vocab_like_mlx(tmp_path, checkpoints, muse_pair):
@@ -148,7 +162,9 @@ def test_distilled_drafter_proposes_from_its_draft_vocab_like_mlx(tmp_path, chec
     torch_pair = load_torch(target=checkpoints["muse"], drafter=drafter, device="cpu")
     assert torch_pair.drafter.draft_vocab.tolist() == vocab.tolist()
     spec_mlx = list(mlx_steps(mlx_pair.target, PROMPT, drafter=mlx_pair.drafter, block_size=4, max_tokens=40))
-    spec_torch = list(generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=40))
+    spec_torch = list(
+        generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=40)
+    )
     assert all(t in set(vocab.tolist()) for s in spec_torch[1:] for t in s.tokens[:-1])  # accepted drafts
     assert tokens_of(spec_torch) == tokens_of(spec_mlx)
     assert lengths_of(spec_torch) == lengths_of(spec_mlx)
@@ -176,7 +192,18 @@ def test_bundle_loads_on_torch_with_mlx_dequantized_weights(bundle8):
 
 def test_parity_command_on_a_bundle_reports_and_exits_0(bundle8, capsys, tmp_path):
     report = tmp_path / "parity.json"
-    argv = ["parity", str(bundle8), "--num-prompts", "2", "--max-tokens", "24", "--device", "cpu", "--json", str(report)]
+    argv = [
+        "parity",
+        str(bundle8),
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "24",
+        "--device",
+        "cpu",
+        "--json",
+        str(report),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("all 4 runs identical") == 2 and "-> PASS" in out
@@ -210,8 +237,21 @@ def test_a_divergence_is_a_tie_only_within_the_tolerance_on_both_backends():
 
 
 def test_generate_backend_torch_prints_the_documented_json(bundle8, muse_pair, capsys):
-    argv = ["generate", str(bundle8), "--backend", "torch", "--device", "cpu", "--prompt", "Hello there",
-            "--max-tokens", "30", "--block-size", "4", "--json"]
+    argv = [
+        "generate",
+        str(bundle8),
+        "--backend",
+        "torch",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "30",
+        "--block-size",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", *JSON_FIELDS}

@@ -125,7 +125,12 @@ def look(app) -> View:
 
 def chat(pair, scenario, *, load=None, **settings) -> View:
     """Run `scenario(app, pilot)` in a chat app over `pair` (loaded already, like a fast disk)."""
-    settings = {"max_tokens": 24, "block_size": 4, "seed": 0, **settings}  # seed given, as with --seed 0: answers repeat
+    settings = {
+        "max_tokens": 24,
+        "block_size": 4,
+        "seed": 0,
+        **settings,
+    }  # seed given, as with --seed 0: answers repeat
     app = ChatApp(load or (lambda: pair), Settings(**settings), source="the tiny pair")
     view = []
 
@@ -436,8 +441,13 @@ def scripted(text: str, pieces: int = 9, lengths=(3, 1, 5, 2, 4, 4, 1, 6, 2, 3, 
 
     def stream_generate(pair, prompt, **kwargs):
         stats = GenerationStats(
-            prompt_tokens=42, prefill_tokens=42, drafter_kind="dflash", block_size=8, ttft_s=0.052,
-            prefill_tokens_per_second=807.7, peak_memory_gb=1.87,
+            prompt_tokens=42,
+            prefill_tokens=42,
+            drafter_kind="dflash",
+            block_size=8,
+            ttft_s=0.052,
+            prefill_tokens_per_second=807.7,
+            peak_memory_gb=1.87,
         )
         step = -(-len(text) // pieces)
         for i in range(pieces):
@@ -582,12 +592,38 @@ def test_chat_flags_become_the_app_settings(monkeypatch, checkpoints):
     started = []
     monkeypatch.setattr(ChatApp, "run", lambda app: started.append(app))
     bundle = str(checkpoints["llama"])  # a model directory: a path that is none is refused before the app starts
-    args = ["chat", bundle, "--temp", "0.7", "--top-p", "0.9", "--top-k", "40", "--seed", "3",
-            "--block-size", "6", "--max-tokens", "99", "--system", "Be brief.", "--no-spec", "--reasoning", "low"]
+    args = [
+        "chat",
+        bundle,
+        "--temp",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "3",
+        "--block-size",
+        "6",
+        "--max-tokens",
+        "99",
+        "--system",
+        "Be brief.",
+        "--no-spec",
+        "--reasoning",
+        "low",
+    ]
     assert main(args) == 0
     (app,) = started
     assert app.settings == Settings(
-        max_tokens=99, temperature=0.7, top_p=0.9, top_k=40, seed=3, block_size=6,
-        speculative=False, system="Be brief.", reasoning="low",
+        max_tokens=99,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=3,
+        block_size=6,
+        speculative=False,
+        system="Be brief.",
+        reasoning="low",
     )
     assert app.source == bundle

@@ -172,8 +172,20 @@ def test_chat_settings_are_checked_when_made_and_never_changed_in_place():
 
 
 def test_every_command_has_one_table_entry_with_usage_help_and_apply():
-    assert set(COMMANDS) == {"clear", "chats", "rename", "export", "system", "temp", "block", "spec", "reasoning",
-                             "save", "stats", "help"}
+    assert set(COMMANDS) == {
+        "clear",
+        "chats",
+        "rename",
+        "export",
+        "system",
+        "temp",
+        "block",
+        "spec",
+        "reasoning",
+        "save",
+        "stats",
+        "help",
+    }
     assert {n for n, s in COMMANDS.items() if s.persists} == {"system", "temp", "block", "spec", "reasoning"}
     assert {n for n, s in COMMANDS.items() if s.while_busy} == {"help", "stats"}
     for name, spec in COMMANDS.items():
@@ -196,8 +208,15 @@ def test_reasoning_support_is_read_from_the_template_text():
 
 
 def stats(**kw):
-    base = dict(prompt_tokens=30, prefill_tokens=8, generated_tokens=9, target_forwards=3,
-                acceptance_lengths=[4, 2, 2], decode_tokens_per_second=40.0, finish_reason="stop")
+    base = dict(
+        prompt_tokens=30,
+        prefill_tokens=8,
+        generated_tokens=9,
+        target_forwards=3,
+        acceptance_lengths=[4, 2, 2],
+        decode_tokens_per_second=40.0,
+        finish_reason="stop",
+    )
     return GenerationStats(**{**base, **kw})
 
 

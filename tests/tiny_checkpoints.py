@@ -119,9 +119,7 @@ def build_muse_target(
     if qk_scale_factor is not None:
         text["qk_scale_factor"] = qk_scale_factor
     vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
-    config = MuseGlimmerConfig(
-        text_config=text, vision_config=vision, out_hidden_size=32, projector_hidden_size=32
-    )
+    config = MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=32, projector_hidden_size=32)
     model = MuseGlimmerForConditionalGeneration(config).float().eval()
     # The default init is small (std 0.02); a larger scale gives peaked, varied logits.
     with torch.no_grad():
@@ -134,7 +132,9 @@ def build_muse_target(
     with torch.no_grad():
         if post_norm_scale is not None:
             for name, param in params.items():
-                if "language_model" in name and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+                if "language_model" in name and (
+                    "post_attention_layernorm" in name or "post_feedforward_layernorm" in name
+                ):
                     param.copy_(post_norm_scale - 1 + 0.1 * torch.rand(param.shape, generator=gen))
         if head_from_embeddings:
             params["lm_head.weight"].copy_(params["model.language_model.embed_tokens.weight"])

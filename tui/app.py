@@ -144,7 +144,9 @@ class ChatApp(App):
         self.store_warning = store_warning
         self.saves = SaveQueue(store.path, self._saves_changed) if store is not None else None
         self._saving_delayed = False  # a "saving delayed" note is showing and no "caught up" one yet
-        self.chat = ChatRef()  # the stored conversation; `conversation_id` is its id, None until its first turn is saved
+        self.chat = (
+            ChatRef()
+        )  # the stored conversation; `conversation_id` is its id, None until its first turn is saved
         self.conversation_title: str | None = None
         self.resume = resume
         self.first_message = first_message
@@ -317,8 +319,10 @@ class ChatApp(App):
             return
         if self.busy:
             wait = (
-                "the model is still loading" if self.pair is None
-                else "the cache is being rebuilt" if self.current is None
+                "the model is still loading"
+                if self.pair is None
+                else "the cache is being rebuilt"
+                if self.current is None
                 else "press Esc to cancel the answer first"
             )
             self.note(f"Still busy; {wait}.", "error")
@@ -469,8 +473,11 @@ class ChatApp(App):
         if saves.delayed and not self._saving_delayed:
             self._saving_delayed = True
             n = saves.unsaved_turns
-            self.note(f"saving delayed: {saves.delayed}. The chat goes on; {n} turn{'s' * (n != 1)} queued, "
-                      "written once it is free.", "info")
+            self.note(
+                f"saving delayed: {saves.delayed}. The chat goes on; {n} turn{'s' * (n != 1)} queued, "
+                "written once it is free.",
+                "info",
+            )
         elif not saves.delayed and self._saving_delayed:
             self._saving_delayed = False
             self.note("History caught up: every queued turn is saved.", "info")
@@ -483,8 +490,11 @@ class ChatApp(App):
         left = saves.close(flush_s)
         if left:
             why = saves.delayed or saves.failed or f"{saves.path}: still writing"
-            print(f"history: {left} turn{'s' * (left != 1)} of this chat could not be saved after waiting "
-                  f"{flush_s:g} s: {why}", file=sys.stderr)
+            print(
+                f"history: {left} turn{'s' * (left != 1)} of this chat could not be saved after waiting "
+                f"{flush_s:g} s: {why}",
+                file=sys.stderr,
+            )
 
     def history_off(self, why: str) -> None:
         self.note(f"history off: {why}", "error")
@@ -517,8 +527,9 @@ class ChatApp(App):
         def save(store: Store) -> None:
             if chat.id is None:
                 chat.id = store.create(title, done.settings, bundle=bundle, model=model)
-            store.add_turn(chat.id, done.turn, processed=done.processed, settings=done.settings,
-                           bundle=bundle, model=model)
+            store.add_turn(
+                chat.id, done.turn, processed=done.processed, settings=done.settings, bundle=bundle, model=model
+            )
 
         self.saves.submit(save, turn=True)
 
@@ -558,7 +569,11 @@ class ChatApp(App):
         done = [t.stats for t in stored.turns if t.stats is not None]
         self.last_stats = done[-1] if done else None
         self.query_one(StatsPanel).show(self.last_stats)
-        where = f" (it ran on {stored.info.model})" if stored.info.model and self.pair is not None and stored.info.model != self.model_name() else ""
+        where = (
+            f" (it ran on {stored.info.model})"
+            if stored.info.model and self.pair is not None and stored.info.model != self.model_name()
+            else ""
+        )
         self.note(f"Resumed “{stored.info.title}” (#{stored.info.id}, {len(stored.turns)} turns){where}.", "info")
         if self.pair is not None:
             if self.settings.speculative and self.pair.drafter is None:

@@ -37,8 +37,12 @@ class Settings:
     def generation(self, seed: int | None = None) -> GenerationSettings:
         """This turn's `GenerationSettings`; `seed` is used when the chat has none of its own."""
         return GenerationSettings.of(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
-            block_size=self.block_size, speculative=self.speculative,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            block_size=self.block_size,
+            speculative=self.speculative,
             seed=self.seed if self.seed is not None else (seed if seed is not None else secrets.randbelow(2**31)),
         )
 

@@ -132,8 +132,9 @@ def export(app, path: str) -> None:
 
     turns = app.conversation.turns
     try:
-        out = export_conversation(path, turns, model=app.model_name(), settings=app.settings,
-                                  title=app.conversation_title)
+        out = export_conversation(
+            path, turns, model=app.model_name(), settings=app.settings, title=app.conversation_title
+        )
     except (OSError, ValueError) as e:
         raise CommandError(f"/export failed: {e}") from None
     app.note(f"Exported {len(turns)} turns to {out}.", "info")
@@ -193,23 +194,63 @@ COMMANDS: dict[str, Spec] = {
     s.name: s
     for s in (
         Spec("clear", "/clear", "start a new conversation (the current one stays saved)", no_argument, clear),
-        Spec("chats", "/chats", "the saved conversations: open, rename, delete, new (also ctrl+o)", no_argument,
-             show_chats),
+        Spec(
+            "chats",
+            "/chats",
+            "the saved conversations: open, rename, delete, new (also ctrl+o)",
+            no_argument,
+            show_chats,
+        ),
         Spec("rename", "/rename TITLE", "rename this conversation", text, rename),
-        Spec("export", "/export FILE", "write this conversation as Markdown (.md) or JSON with token ids (.json)",
-             text, export),
-        Spec("system", "/system TEXT", "set the system prompt (no TEXT: remove it)", optional_text, set_system,
-             persists=True),
+        Spec(
+            "export",
+            "/export FILE",
+            "write this conversation as Markdown (.md) or JSON with token ids (.json)",
+            text,
+            export,
+        ),
+        Spec(
+            "system",
+            "/system TEXT",
+            "set the system prompt (no TEXT: remove it)",
+            optional_text,
+            set_system,
+            persists=True,
+        ),
         Spec("temp", "/temp X", "sampling temperature, 0 = greedy", temperature, set_temperature, persists=True),
-        Spec("block", "/block auto|N", "verify width incl. the anchor: auto (per round, the default) or N >= 1",
-             block_size, set_block_size, persists=True),
-        Spec("spec", "/spec on|off", "speculative decoding on or off (off = the target alone)", on_off,
-             set_speculative, persists=True),
-        Spec("reasoning", "/reasoning LEVEL", "reasoning strength: " + ", ".join(REASONING_LEVELS), reasoning_level,
-             set_reasoning, persists=True),
+        Spec(
+            "block",
+            "/block auto|N",
+            "verify width incl. the anchor: auto (per round, the default) or N >= 1",
+            block_size,
+            set_block_size,
+            persists=True,
+        ),
+        Spec(
+            "spec",
+            "/spec on|off",
+            "speculative decoding on or off (off = the target alone)",
+            on_off,
+            set_speculative,
+            persists=True,
+        ),
+        Spec(
+            "reasoning",
+            "/reasoning LEVEL",
+            "reasoning strength: " + ", ".join(REASONING_LEVELS),
+            reasoning_level,
+            set_reasoning,
+            persists=True,
+        ),
         Spec("save", "/save FILE", "write the transcript (Markdown) and its stats (JSON beside it)", text, save),
-        Spec("stats", "/stats", "show the statistics of the last answer and the session", no_argument, show_stats,
-             while_busy=True),
+        Spec(
+            "stats",
+            "/stats",
+            "show the statistics of the last answer and the session",
+            no_argument,
+            show_stats,
+            while_busy=True,
+        ),
         Spec("help", "/help", "this list", no_argument, show_help, while_busy=True),
     )
 }

@@ -29,9 +29,15 @@ def stats_rows(stats: GenerationStats | None) -> list[tuple[str, str]]:
         ("TTFT", f"{stats.ttft_s * 1000:.0f} ms"),
         ("tokens", f"{stats.generated_tokens} in {stats.target_forwards} rounds"),
         ("accept", f"{stats.mean_acceptance:.2f} tok/round"),
-        ("drafter", f"{stats.drafter_kind}, block {'auto ≤' if stats.block_policy == 'auto' else ''}{stats.block_size}"),
-        *([("widths", " ".join(f"{w}×{n}" for w, n in stats.verify_width_histogram.items()))]
-          if stats.block_policy == "auto" else []),
+        (
+            "drafter",
+            f"{stats.drafter_kind}, block {'auto ≤' if stats.block_policy == 'auto' else ''}{stats.block_size}",
+        ),
+        *(
+            [("widths", " ".join(f"{w}×{n}" for w, n in stats.verify_width_histogram.items()))]
+            if stats.block_policy == "auto"
+            else []
+        ),
         ("draft", f"{share:4.0%} {bar(share, 10)}"),
         ("verify", f"{1 - share:4.0%} {bar(1 - share, 10)}" if stats.verify_s else "–"),
         ("memory", f"{stats.peak_memory_gb:.2f} GB peak"),
@@ -46,10 +52,7 @@ def sparkline(values: list[int], top: int, width: int, height: int = 3) -> list[
     """The last `width` values as columns scaled to 0..top, `height` rows, top row first."""
     values = values[-width:]
     eighths = [round(min(max(v, 0), top) / max(top, 1) * height * 8) for v in values]
-    return [
-        "".join(EIGHTHS[min(max(e - row * 8, 0), 8)] for e in eighths)
-        for row in reversed(range(height))
-    ]
+    return ["".join(EIGHTHS[min(max(e - row * 8, 0), 8)] for e in eighths) for row in reversed(range(height))]
 
 
 def histogram(lengths: list[int], width: int = 12) -> list[str]:

@@ -348,8 +348,15 @@ class Store:
                     "INSERT INTO turns (conversation_id, position, created, user, text, token_ids, cancelled, bundle, "
                     "settings, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
-                        conversation_id, position, now, turn.user, turn.text, pack_ids(turn.token_ids),
-                        int(turn.cancelled), bundle, settings_json(settings),
+                        conversation_id,
+                        position,
+                        now,
+                        turn.user,
+                        turn.text,
+                        pack_ids(turn.token_ids),
+                        int(turn.cancelled),
+                        bundle,
+                        settings_json(settings),
                         json.dumps(turn.stats.to_dict()) if turn.stats is not None else None,
                     ),
                 )
@@ -366,7 +373,9 @@ class Store:
     def save_settings(self, conversation_id: int, settings: Settings) -> None:
         def go(db):
             with self._transaction():
-                db.execute("UPDATE conversations SET settings = ? WHERE id = ?", (settings_json(settings), conversation_id))
+                db.execute(
+                    "UPDATE conversations SET settings = ? WHERE id = ?", (settings_json(settings), conversation_id)
+                )
 
         self._run(go)
 
@@ -435,7 +444,6 @@ def open_store(path: str | Path | None = None, **kwargs) -> tuple[Store | None, 
         return None, f"history off: {e}"
 
 
-
 # --- writing without waiting ---------------------------------------------------------
 
 
@@ -466,8 +474,9 @@ class SaveQueue:
     the save thread each time either of them changes.
     """
 
-    def __init__(self, path: str | Path, on_change: Callable[[], object] = lambda: None, *,
-                 attempt_s: float = ATTEMPT_S):
+    def __init__(
+        self, path: str | Path, on_change: Callable[[], object] = lambda: None, *, attempt_s: float = ATTEMPT_S
+    ):
         self.path = Path(path)
         self.on_change = on_change
         self.attempt_s = attempt_s
@@ -581,8 +590,7 @@ class SaveQueue:
         """After a locked attempt: sleep `backoff` (less on exit), or until a write is submitted;
         returns the next backoff."""
         with self._cond:
-            self._cond.wait_for(lambda: self._kicked or self._stopping,
-                                FIRST_RETRY_S if self._closing else backoff)
+            self._cond.wait_for(lambda: self._kicked or self._stopping, FIRST_RETRY_S if self._closing else backoff)
         return min(backoff * 2, RETRY_CAP_S)
 
     def _changed(self) -> None:

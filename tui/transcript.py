@@ -59,8 +59,9 @@ def conversation_record(turns: list[Turn], *, model: str, settings: Settings, ti
     return record
 
 
-def export_conversation(path: str | Path, turns: list[Turn], *, model: str, settings: Settings,
-                        title: str | None = None) -> Path:
+def export_conversation(
+    path: str | Path, turns: list[Turn], *, model: str, settings: Settings, title: str | None = None
+) -> Path:
     """`/export FILE`: Markdown for .md/.markdown, JSON (with token ids and stats) for .json."""
     out = Path(path).expanduser()
     suffix = out.suffix.lower()

@@ -134,7 +134,7 @@ class AssistantMessage(Vertical):
             self._shown = ""
             await self._stop()
             await markdown.update("")
-        delta = answer[len(self._shown):]
+        delta = answer[len(self._shown) :]
         if delta:
             if self._stream is None:
                 self._stream = Markdown.get_stream(markdown)
@@ -167,7 +167,9 @@ class AssistantMessage(Vertical):
 class StatsPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("reasoning strength", id="reasoning-label")
-        yield Select([(r, r) for r in REASONING_LEVELS], allow_blank=False, value=DEFAULT_REASONING, id="reasoning", compact=True)
+        yield Select(
+            [(r, r) for r in REASONING_LEVELS], allow_blank=False, value=DEFAULT_REASONING, id="reasoning", compact=True
+        )
         yield Static("", id="numbers", markup=False)
         yield Label("tokens committed per round")
         yield Static("", id="rounds", markup=False)

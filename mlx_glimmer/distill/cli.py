@@ -29,65 +29,137 @@ def add_distill_parser(sub) -> None:
         ),
     )
     p.add_argument("target", nargs="?", help="bundle or model directory (default: the embedded demo pair's target)")
-    p.add_argument("--out", required=True, help="run directory (data, checkpoints, exported drafter); made once the "
-                   "flags check out")
     p.add_argument(
-        "--prompts", default=str(DATA_DIR / "prompts_train.jsonl"),
+        "--out",
+        required=True,
+        help="run directory (data, checkpoints, exported drafter); made once the flags check out",
+    )
+    p.add_argument(
+        "--prompts",
+        default=str(DATA_DIR / "prompts_train.jsonl"),
         help="training prompts (JSONL with 'prompt'), or 'synth': the shipped prompts plus templated families plus "
         "--self-instruct target-written ones, minus anything overlapping the held-out set",
     )
-    p.add_argument("--self-instruct", type=nonnegative_int, default=0,
-                   help="with --prompts synth: N instructions written by the target itself")
-    p.add_argument("--follow-ups", type=nonnegative_int, default=0,
-                   help="N second-turn conversations built on greedy answers (default 0)")
-    p.add_argument("--generator", choices=["auto", "mlx", "torch"], default="auto",
-                   help="batched answer generator: mlx-lm batch_generate or transformers generate (auto: torch on Linux "
-                        "when installed, mlx elsewhere)")
-    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="torch generator precision (default float32, the target's exactly; bfloat16 is ~3.4x faster on "
-                        "CPUs with AVX-512 bf16/AMX and gives answers that drift from float32 greedy after ~30 tokens)")
-    p.add_argument("--gen-threads", type=positive_int, default=None, help="CPU threads for the torch generator (default: all)")
+    p.add_argument(
+        "--self-instruct",
+        type=nonnegative_int,
+        default=0,
+        help="with --prompts synth: N instructions written by the target itself",
+    )
+    p.add_argument(
+        "--follow-ups",
+        type=nonnegative_int,
+        default=0,
+        help="N second-turn conversations built on greedy answers (default 0)",
+    )
+    p.add_argument(
+        "--generator",
+        choices=["auto", "mlx", "torch"],
+        default="auto",
+        help="batched answer generator: mlx-lm batch_generate or transformers generate (auto: torch on Linux "
+        "when installed, mlx elsewhere)",
+    )
+    p.add_argument(
+        "--gen-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="torch generator precision (default float32, the target's exactly; bfloat16 is ~3.4x faster on "
+        "CPUs with AVX-512 bf16/AMX and gives answers that drift from float32 greedy after ~30 tokens)",
+    )
+    p.add_argument(
+        "--gen-threads", type=positive_int, default=None, help="CPU threads for the torch generator (default: all)"
+    )
     p.add_argument("--heldout", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="held-out prompts for selection")
     p.add_argument("--max-prompts", type=positive_int, default=None, help="use only the first N training prompts")
-    p.add_argument("--temperatures", default="0",
-                   help="comma-separated answer temperatures (finite, >= 0); one pass each (default 0)")
+    p.add_argument(
+        "--temperatures",
+        default="0",
+        help="comma-separated answer temperatures (finite, >= 0); one pass each (default 0)",
+    )
     p.add_argument("--answer-tokens", type=positive_int, default=160, help="max tokens per answer (default 160)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="answers generated per batch (default 32)")
-    p.add_argument("--layers", type=positive_int, default=d.layers,
-                   help=f"drafter layers, 1 to the target's layer count (default {d.layers})")
-    p.add_argument("--context-layers", type=positive_int, default=d.context_layers,
-                   help=f"target layers feeding the drafter: 1, or up to the target's layer count - 3 "
-                        f"(default {d.context_layers})")
-    p.add_argument("--steps", type=positive_int, default=d.steps,
-                   help=f"optimiser steps, --sequences-per-step answers each (default {d.steps})")
-    p.add_argument("--anchors", type=positive_int, default=d.anchors, help=f"blocks per answer per step (default {d.anchors})")
-    p.add_argument("--sequences-per-step", type=positive_int, default=d.sequences_per_step,
-                   help=f"answers per optimiser step (default {d.sequences_per_step})")
-    p.add_argument("--draft-vocab", type=positive_int, default=None,
-                   help="draft vocabulary: the N tokens the target emits most, at most its vocabulary (default: every "
-                        "emitted token)")
-    p.add_argument("--init", default="random",
-                   help="warm start: random (default), target (copy the target's last layers), or a drafter directory "
-                        "to fine-tune (one with fewer layers than --layers grows by identity layers)")
-    p.add_argument("--train-backend", choices=["auto", "mlx", "torch"], default="auto",
-                   help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
-                        "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
-                        "Linux when installed, mlx elsewhere")
-    p.add_argument("--no-compile", action="store_true",
-                   help="torch backend: skip torch.compile (it compiles once per padded context width before the first step, minutes, and then ~halves step time)")
-    p.add_argument("--lr", type=positive_float, default=d.learning_rate,
-                   help=f"peak learning rate, finite and > 0 (default {d.learning_rate:g})")
-    p.add_argument("--eval-every", type=positive_int, default=d.eval_every,
-                   help=f"steps between held-out evaluations (default {d.eval_every})")
+    p.add_argument(
+        "--layers",
+        type=positive_int,
+        default=d.layers,
+        help=f"drafter layers, 1 to the target's layer count (default {d.layers})",
+    )
+    p.add_argument(
+        "--context-layers",
+        type=positive_int,
+        default=d.context_layers,
+        help=f"target layers feeding the drafter: 1, or up to the target's layer count - 3 "
+        f"(default {d.context_layers})",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=d.steps,
+        help=f"optimiser steps, --sequences-per-step answers each (default {d.steps})",
+    )
+    p.add_argument(
+        "--anchors", type=positive_int, default=d.anchors, help=f"blocks per answer per step (default {d.anchors})"
+    )
+    p.add_argument(
+        "--sequences-per-step",
+        type=positive_int,
+        default=d.sequences_per_step,
+        help=f"answers per optimiser step (default {d.sequences_per_step})",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=None,
+        help="draft vocabulary: the N tokens the target emits most, at most its vocabulary (default: every "
+        "emitted token)",
+    )
+    p.add_argument(
+        "--init",
+        default="random",
+        help="warm start: random (default), target (copy the target's last layers), or a drafter directory "
+        "to fine-tune (one with fewer layers than --layers grows by identity layers)",
+    )
+    p.add_argument(
+        "--train-backend",
+        choices=["auto", "mlx", "torch"],
+        default="auto",
+        help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
+        "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
+        "Linux when installed, mlx elsewhere",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="torch backend: skip torch.compile (it compiles once per padded context width before the first step, minutes, and then ~halves step time)",
+    )
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=d.learning_rate,
+        help=f"peak learning rate, finite and > 0 (default {d.learning_rate:g})",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=d.eval_every,
+        help=f"steps between held-out evaluations (default {d.eval_every})",
+    )
     p.add_argument("--eval-prompts", type=positive_int, default=16, help="held-out prompts per evaluation (default 16)")
     p.add_argument("--eval-tokens", type=positive_int, default=96, help="tokens per held-out prompt (default 96)")
-    p.add_argument("--mask-token", type=nonnegative_int, default=None,
-                   help="mask token id, inside the target's vocabulary (default: an unused special token)")
+    p.add_argument(
+        "--mask-token",
+        type=nonnegative_int,
+        default=None,
+        help="mask token id, inside the target's vocabulary (default: an unused special token)",
+    )
     p.add_argument("--seed", type=seed_arg, default=d.seed, help=f"random seed, 0 to 2**63-1 (default {d.seed})")
     p.add_argument("--data-only", action="store_true", help="stop after generating the answers")
-    p.add_argument("--train-only", action="store_true",
-                   help="generate nothing: train on the answers already in OUT/data (for example while a partial "
-                        "data set is all the time allows); the prompt list must already be there")
+    p.add_argument(
+        "--train-only",
+        action="store_true",
+        help="generate nothing: train on the answers already in OUT/data (for example while a partial "
+        "data set is all the time allows); the prompt list must already be there",
+    )
 
 
 def pick_backend(kind: str, flag: str) -> str:
@@ -106,8 +178,9 @@ def temperatures(args) -> list[float]:
     except ValueError:
         temps = None
     if not temps or not all(math.isfinite(t) and t >= 0 for t in temps):
-        raise GlimmerError(f"distill: --temperatures: {args.temperatures!r} is not a comma-separated list of finite "
-                           "numbers >= 0")
+        raise GlimmerError(
+            f"distill: --temperatures: {args.temperatures!r} is not a comma-separated list of finite numbers >= 0"
+        )
     return temps
 
 
@@ -119,15 +192,19 @@ def check_distill_flags(args) -> None:
         raise GlimmerError(f"distill: --out {out}: exists and is not a directory")
     if args.data_only and args.train_only:
         raise GlimmerError("distill: --data-only and --train-only exclude each other")
-    for flag, name in ([("--prompts", args.prompts)] if args.prompts != "synth" else []) + [("--heldout", args.heldout)]:
+    for flag, name in ([("--prompts", args.prompts)] if args.prompts != "synth" else []) + [
+        ("--heldout", args.heldout)
+    ]:
         if not Path(name).is_file():
             raise GlimmerError(f"distill: {flag} {name}: prompt file not found")
     if args.self_instruct and args.prompts != "synth":
         raise GlimmerError("distill: --self-instruct writes prompts for --prompts synth only")
     temperatures(args)
     if args.init not in ("random", "target") and not (Path(args.init) / "model.safetensors").is_file():
-        raise GlimmerError(f"distill: --init {args.init}: neither 'random', 'target' nor a drafter directory "
-                           "(no model.safetensors there)")
+        raise GlimmerError(
+            f"distill: --init {args.init}: neither 'random', 'target' nor a drafter directory "
+            "(no model.safetensors there)"
+        )
     if args.train_only:
         data = out / "data"
         for needed in [data / "responses.jsonl"] + ([data / "prompts.jsonl"] if args.prompts == "synth" else []):
@@ -162,15 +239,20 @@ def check_against_target(args, vocab_size: int, num_layers: int) -> None:
     if args.data_only:
         return
     if args.mask_token is not None and not 0 <= args.mask_token < vocab_size:
-        raise GlimmerError(f"distill: --mask-token must be in [0, {vocab_size}) (the target's vocabulary), "
-                           f"got {args.mask_token}")
+        raise GlimmerError(
+            f"distill: --mask-token must be in [0, {vocab_size}) (the target's vocabulary), got {args.mask_token}"
+        )
     most = max(1, num_layers - 3)
     if args.context_layers > most:
-        raise GlimmerError(f"distill: --context-layers must be in [1, {most}] for a {num_layers}-layer target, "
-                           f"got {args.context_layers}")
+        raise GlimmerError(
+            f"distill: --context-layers must be in [1, {most}] for a {num_layers}-layer target, "
+            f"got {args.context_layers}"
+        )
     if args.layers > num_layers:
-        raise GlimmerError(f"distill: --layers must be in [1, {num_layers}] (the target's layer count), "
-                           f"got {args.layers}")
+        raise GlimmerError(
+            f"distill: --layers must be in [1, {num_layers}] (the target's layer count), got {args.layers}"
+        )
     if args.draft_vocab is not None and args.draft_vocab > vocab_size:
-        raise GlimmerError(f"distill: --draft-vocab must be in [1, {vocab_size}] (the target's vocabulary), "
-                           f"got {args.draft_vocab}")
+        raise GlimmerError(
+            f"distill: --draft-vocab must be in [1, {vocab_size}] (the target's vocabulary), got {args.draft_vocab}"
+        )

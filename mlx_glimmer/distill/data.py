@@ -103,7 +103,9 @@ class MLXAnswerer:
 
         mx.random.seed(seed)
         kwargs = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
-        result = batch_generate(self.model, self.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs)
+        result = batch_generate(
+            self.model, self.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs
+        )
         return [[int(t) for t in ids] for ids in result.token_ids]
 
 
@@ -115,7 +117,9 @@ class TorchAnswerer:
     after ~30 tokens on average. Labels stay the target's text; features are always the float32 target's.
     """
 
-    def __init__(self, target_path: Path, stop_ids, *, threads: int | None = None, device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self, target_path: Path, stop_ids, *, threads: int | None = None, device: str = "cpu", dtype: str = "float32"
+    ):
         import torch
 
         from ..torch_backend.loading import load_torch
@@ -134,11 +138,19 @@ class TorchAnswerer:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids, attention_mask=attention, max_new_tokens=max_tokens, eos_token_id=sorted(self.stop_ids),
-                pad_token_id=self.pad, **sampling,
+                input_ids=ids,
+                attention_mask=attention,
+                max_new_tokens=max_tokens,
+                eos_token_id=sorted(self.stop_ids),
+                pad_token_id=self.pad,
+                **sampling,
             )
         return [cut_at_stop(row[width:].tolist(), self.stop_ids) for row in out]
 
@@ -188,8 +200,16 @@ def generate_responses(
 
 
 def self_instructions(
-    answer: Answerer, tokenizer, prefix_ids: list[int], out_path: Path, *, count: int, batch_size: int = 64,
-    max_tokens: int = 64, seed: int = 0, log=sys.stderr,
+    answer: Answerer,
+    tokenizer,
+    prefix_ids: list[int],
+    out_path: Path,
+    *,
+    count: int,
+    batch_size: int = 64,
+    max_tokens: int = 64,
+    seed: int = 0,
+    log=sys.stderr,
 ) -> list[str]:
     """The target's own user requests (Magpie): sampled continuations of the chat template's user-turn prefix.
 

@@ -38,8 +38,13 @@ def heldout_acceptance(
     for ids in prompts:
         steps = list(
             generate_steps(
-                target, ids, drafter=drafter, params=SamplingParams(), block_size=block_size,
-                max_tokens=max_tokens, stop_ids=stop_ids,
+                target,
+                ids,
+                drafter=drafter,
+                params=SamplingParams(),
+                block_size=block_size,
+                max_tokens=max_tokens,
+                stop_ids=stop_ids,
             )
         )
         rounds = [len(s.tokens) for s in steps[1:]]

@@ -74,7 +74,9 @@ class TorchFeatures:
         from ..torch_backend.loading import load_torch
 
         self.name = f"torch {dtype}"
-        self.target = load_torch(target=target_path, use_drafter=False, device="cpu", dtype=getattr(torch, dtype)).target
+        self.target = load_torch(
+            target=target_path, use_drafter=False, device="cpu", dtype=getattr(torch, dtype)
+        ).target
         self.batch_tokens = batch_tokens
 
     def capture(self, layer_ids) -> None:
@@ -104,14 +106,23 @@ def stored_sequences(directory: Path, lengths: list[int], layer_ids: list[int], 
     if not meta_path.is_file() or not data_path.is_file():
         return 0
     meta = json.loads(meta_path.read_text())
-    same = (meta.get("layer_ids") == list(layer_ids) and meta.get("lengths") == list(lengths)
-            and meta.get("source", MLXFeatures.name) == source_name)
+    same = (
+        meta.get("layer_ids") == list(layer_ids)
+        and meta.get("lengths") == list(lengths)
+        and meta.get("source", MLXFeatures.name) == source_name
+    )
     return int(meta["done"]) if same else 0
 
 
 class FeatureStore:
-    def __init__(self, directory: Path, target: Target, sequences: list[list[int]], layer_ids: list[int],
-                 source: FeatureSource | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        target: Target,
+        sequences: list[list[int]],
+        layer_ids: list[int],
+        source: FeatureSource | None = None,
+    ):
         self.directory = Path(directory)
         self.target = target
         self.source = source or MLXFeatures(target)
@@ -125,12 +136,18 @@ class FeatureStore:
         self.done = stored_sequences(self.directory, self.lengths, self.layer_ids, self.source.name)
         shape = (max(int(self.offsets[-1]), 1), self.width)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.data = np.memmap(self.data_path, dtype=np.float16, mode="r+" if self.data_path.exists() and self.done else "w+", shape=shape)
+        self.data = np.memmap(
+            self.data_path, dtype=np.float16, mode="r+" if self.data_path.exists() and self.done else "w+", shape=shape
+        )
 
     def _save_meta(self) -> None:
         self.data.flush()
         tmp = self.meta_path.with_suffix(".partial")
-        tmp.write_text(json.dumps({"layer_ids": self.layer_ids, "lengths": self.lengths, "done": self.done, "source": self.source.name}))
+        tmp.write_text(
+            json.dumps(
+                {"layer_ids": self.layer_ids, "lengths": self.lengths, "done": self.done, "source": self.source.name}
+            )
+        )
         tmp.rename(self.meta_path)
 
     def ensure(self, log=sys.stderr, every_s: float = 30.0) -> None:
@@ -150,7 +167,11 @@ class FeatureStore:
                 self._save_meta()
                 last = time.perf_counter()
                 rate = tokens / (last - tic)
-                print(f"[features] {self.done}/{len(self.sequences)} sequences ({rate:.0f} tokens/s)", file=log, flush=True)
+                print(
+                    f"[features] {self.done}/{len(self.sequences)} sequences ({rate:.0f} tokens/s)",
+                    file=log,
+                    flush=True,
+                )
         if start == self.done:
             self._save_meta()
 

@@ -67,17 +67,41 @@ EXPLAIN = [
 ]
 
 PAIRS = [
-    ("cats", "dogs"), ("tea", "coffee"), ("Python", "JavaScript"), ("renting", "buying a home"), ("trains", "planes"),
-    ("e-books", "paper books"), ("running", "swimming"), ("SQL", "NoSQL databases"), ("Linux", "Windows"),
-    ("solar power", "wind power"), ("city life", "country life"), ("working from home", "working in an office"),
-    ("lists", "tuples in Python"), ("stocks", "bonds"), ("baking", "frying"), ("violin", "piano"), ("Mars", "Venus"),
-    ("credit cards", "debit cards"), ("laptops", "desktop computers"), ("git merge", "git rebase"),
-    ("TCP", "UDP"), ("mountains", "beaches for a holiday"), ("walking", "cycling to work"), ("HTTP", "HTTPS"),
-    ("viruses", "bacteria"), ("weather", "climate"), ("a Roth IRA", "a traditional IRA"), ("ants", "termites"),
+    ("cats", "dogs"),
+    ("tea", "coffee"),
+    ("Python", "JavaScript"),
+    ("renting", "buying a home"),
+    ("trains", "planes"),
+    ("e-books", "paper books"),
+    ("running", "swimming"),
+    ("SQL", "NoSQL databases"),
+    ("Linux", "Windows"),
+    ("solar power", "wind power"),
+    ("city life", "country life"),
+    ("working from home", "working in an office"),
+    ("lists", "tuples in Python"),
+    ("stocks", "bonds"),
+    ("baking", "frying"),
+    ("violin", "piano"),
+    ("Mars", "Venus"),
+    ("credit cards", "debit cards"),
+    ("laptops", "desktop computers"),
+    ("git merge", "git rebase"),
+    ("TCP", "UDP"),
+    ("mountains", "beaches for a holiday"),
+    ("walking", "cycling to work"),
+    ("HTTP", "HTTPS"),
+    ("viruses", "bacteria"),
+    ("weather", "climate"),
+    ("a Roth IRA", "a traditional IRA"),
+    ("ants", "termites"),
 ]
 COMPARE = [
-    "Compare {a} and {b}.", "What is the difference between {a} and {b}?", "Should I choose {a} or {b}? Weigh them up.",
-    "Give me a short table comparing {a} and {b}.", "{a} or {b}: which is better for a beginner?",
+    "Compare {a} and {b}.",
+    "What is the difference between {a} and {b}?",
+    "Should I choose {a} or {b}? Weigh them up.",
+    "Give me a short table comparing {a} and {b}.",
+    "{a} or {b}: which is better for a beginner?",
 ]
 
 HOWTO_TASKS = """make a cup of tea|change a flat bicycle tire|start a vegetable garden|write a good resume|prepare for a job interview|
@@ -92,8 +116,12 @@ be more productive in the morning|start running at age forty|learn chess opening
     "\n", ""
 ).split("|")
 HOWTO = [
-    "How do I {h}?", "What are the steps to {h}?", "Give me a step-by-step guide to {h}.", "Any tips on how to {h}?",
-    "I have never tried to {h}. Where should I start?", "What mistakes should I avoid when I {h}?",
+    "How do I {h}?",
+    "What are the steps to {h}?",
+    "Give me a step-by-step guide to {h}.",
+    "Any tips on how to {h}?",
+    "I have never tried to {h}. Where should I start?",
+    "What mistakes should I avoid when I {h}?",
 ]
 
 LISTS = """fruits that are high in vitamin C|board games for a family night|books for someone learning to cook|
@@ -106,7 +134,12 @@ names for a pet goldfish|ways to practice a new language|classic science fiction
 reasons to learn history|safety tips for cycling in a city|common Python mistakes|good habits for programmers""".replace(
     "\n", ""
 ).split("|")
-LIST_TEMPLATES = ["List {n} {x}.", "Name {n} {x}.", "Give me {n} {x}, with one sentence each.", "What are {n} good {x}?"]
+LIST_TEMPLATES = [
+    "List {n} {x}.",
+    "Name {n} {x}.",
+    "Give me {n} {x}, with one sentence each.",
+    "What are {n} good {x}?",
+]
 
 CODE_TASKS = """reverse a string|check whether a number is prime|compute the factorial of n|find the largest item in a list|
 count the words in a sentence|remove duplicates from a list|merge two sorted lists|compute Fibonacci numbers|
@@ -124,11 +157,29 @@ compute the dot product of two vectors|split a list into chunks of size n|find t
 ).split("|")
 LANGS = ["Python", "Python", "Python", "JavaScript", "Java", "C", "Go", "Rust", "Bash", "SQL"]
 CODE = [
-    "Write a {l} function to {c}.", "How do I {c} in {l}?", "Show me {l} code that will {c}, and explain it.",
-    "Write a short {l} program to {c}.", "What is the simplest way to {c} in {l}?",
+    "Write a {l} function to {c}.",
+    "How do I {c} in {l}?",
+    "Show me {l} code that will {c}, and explain it.",
+    "Write a short {l} program to {c}.",
+    "What is the simplest way to {c} in {l}?",
 ]
 
-NAMES = ["Anna", "Ben", "Carlos", "Dina", "Eli", "Fatima", "George", "Hana", "Ivan", "Julia", "Kofi", "Lena", "Maya", "Noah"]
+NAMES = [
+    "Anna",
+    "Ben",
+    "Carlos",
+    "Dina",
+    "Eli",
+    "Fatima",
+    "George",
+    "Hana",
+    "Ivan",
+    "Julia",
+    "Kofi",
+    "Lena",
+    "Maya",
+    "Noah",
+]
 ITEMS = ["apples", "pencils", "stickers", "books", "cookies", "marbles", "tickets", "cupcakes", "stamps", "oranges"]
 MATH = [
     "{p} has {a} {i} and buys {b} more. How many {i} does {p} have now?",
@@ -158,8 +209,12 @@ REWRITE_TEXTS = [
     "Please be advised that the office will be closed for the holiday.",
 ]
 REWRITE = [
-    'Make this more formal: "{r}"', 'Rewrite this in a friendly tone: "{r}"', 'Fix the grammar: "{r}"',
-    'Make this shorter: "{r}"', 'Rewrite this for a ten-year-old: "{r}"', 'Turn this into a polite email: "{r}"',
+    'Make this more formal: "{r}"',
+    'Rewrite this in a friendly tone: "{r}"',
+    'Fix the grammar: "{r}"',
+    'Make this shorter: "{r}"',
+    'Rewrite this for a ten-year-old: "{r}"',
+    'Turn this into a polite email: "{r}"',
 ]
 
 LETTERS = """my landlord about a leaking tap|a friend who just moved abroad|my team about a project delay|
@@ -172,8 +227,12 @@ STORY_SUBJECTS = """a robot who learns to paint|a lost kitten in a big city|a li
 two friends on a camping trip|a time traveler at a market|a shy student on the first day of school|a talking tree|
 a chef who loses their sense of taste|a detective solving a missing-sock mystery|a girl who builds a rocket|
 an old sailor and a storm|a village without music|a penguin who wants to fly""".replace("\n", "").split("|")
-STORY = ["Write a short story about {s}.", "Tell me a bedtime story about {s}.", "Write a poem about {s}.",
-         "Write the opening paragraph of a novel about {s}."]
+STORY = [
+    "Write a short story about {s}.",
+    "Tell me a bedtime story about {s}.",
+    "Write a poem about {s}.",
+    "Write the opening paragraph of a novel about {s}.",
+]
 
 WORDS = """algorithm|bandwidth|biodiversity|empathy|entropy|inflation|metaphor|photosynthesis|democracy|irony|
 recursion|latency|mitochondria|nostalgia|paradox|placebo|resilience|sustainability|syntax|velocity|API|
@@ -190,9 +249,16 @@ my plants keep dying|I want to get better at math|I get tired every afternoon|I 
 ADVICE_TEMPLATES = ["{v}. What should I do?", "{v}. Any advice?", "Help: {v}."]
 
 FOLLOW_UPS = [
-    "Can you give an example?", "Explain that more simply.", "Summarize that in one sentence.", "Why is that?",
-    "Can you make it shorter?", "Tell me more about the first point.", "What would you add to that?",
-    "Thanks! Can you put that in a list?", "Is there anything I should be careful about?", "How would you say that to a child?",
+    "Can you give an example?",
+    "Explain that more simply.",
+    "Summarize that in one sentence.",
+    "Why is that?",
+    "Can you make it shorter?",
+    "Tell me more about the first point.",
+    "What would you add to that?",
+    "Thanks! Can you put that in a list?",
+    "Is there anything I should be careful about?",
+    "How would you say that to a child?",
 ]
 
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -262,10 +328,16 @@ def is_instruction(text: str) -> bool:
     return 4 <= len(words) <= 80 and not text.lower().startswith(("assistant", "user", "system")) and "<|" not in text
 
 
-def build_prompt_set(base: list[dict], heldout: list[str], *, seed: int = 0, self_instruct: list[str] = ()) -> list[dict]:
+def build_prompt_set(
+    base: list[dict], heldout: list[str], *, seed: int = 0, self_instruct: list[str] = ()
+) -> list[dict]:
     """Shipped + templated + self-instructed prompts, deduplicated, shuffled, with held-out overlap removed."""
     rng = random.Random(seed)
-    items = list(base) + templated_prompts(rng) + [{"prompt": p, "kind": "self"} for p in self_instruct if is_instruction(p)]
+    items = (
+        list(base)
+        + templated_prompts(rng)
+        + [{"prompt": p, "kind": "self"} for p in self_instruct if is_instruction(p)]
+    )
     keep = heldout_filter(heldout)
     items = [it for it in dedupe(items) if keep(it["prompt"])]
     rng.shuffle(items)

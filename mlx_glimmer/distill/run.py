@@ -56,7 +56,9 @@ def training_prompts(args, answer: Answerer, tokenizer, heldout: list[str], data
     if args.self_instruct:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False)
         prefix = tokenizer.encode(text[: text.index("@@")], add_special_tokens=False)
-        own = self_instructions(answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed)
+        own = self_instructions(
+            answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed
+        )
     base = [json.loads(line) for line in (DATA_DIR / "prompts_train.jsonl").read_text().splitlines() if line.strip()]
     items = build_prompt_set(base, heldout, seed=args.seed, self_instruct=own)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -67,14 +69,19 @@ def training_prompts(args, answer: Answerer, tokenizer, heldout: list[str], data
     return [it["prompt"] for it in items]
 
 
-def follow_up_conversations(first: list[dict], prompts: list[str], tokenizer, count: int, seed: int) -> list[list[dict]]:
+def follow_up_conversations(
+    first: list[dict], prompts: list[str], tokenizer, count: int, seed: int
+) -> list[list[dict]]:
     """Second turns: [user, the target's own answer, a follow-up request], for `count` answered first turns."""
     rng = random.Random(seed)
     picked = sorted(first, key=lambda r: r["index"])[:count]
     return [
         [
             {"role": "user", "content": prompts[r["index"]]},
-            {"role": "assistant", "content": tokenizer.decode([t for t in r["response_ids"] if t not in tokenizer.eos_token_ids])},
+            {
+                "role": "assistant",
+                "content": tokenizer.decode([t for t in r["response_ids"] if t not in tokenizer.eos_token_ids]),
+            },
             {"role": "user", "content": rng.choice(FOLLOW_UPS)},
         ]
         for r in picked
@@ -111,16 +118,30 @@ def cmd_distill(args, open_pair) -> int:
         if args.train_only:
             continue
         generate_responses(
-            answer, tok, train_prompts, data, batch_size=args.batch_size, max_tokens=args.answer_tokens,
-            temperature=t, seed=args.seed + 1000 * i, tag=tags[-1],
+            answer,
+            tok,
+            train_prompts,
+            data,
+            batch_size=args.batch_size,
+            max_tokens=args.answer_tokens,
+            temperature=t,
+            seed=args.seed + 1000 * i,
+            tag=tags[-1],
         )
     if args.follow_ups and args.train_only:
         tags.append("followup")
     elif args.follow_ups:
         first = [r for r in read_records(data) if r["tag"] == tags[0]]
         generate_responses(
-            answer, tok, follow_up_conversations(first, train_prompts, tok, args.follow_ups, args.seed), data,
-            batch_size=args.batch_size, max_tokens=args.answer_tokens, temperature=temps[0], seed=args.seed + 999, tag="followup",
+            answer,
+            tok,
+            follow_up_conversations(first, train_prompts, tok, args.follow_ups, args.seed),
+            data,
+            batch_size=args.batch_size,
+            max_tokens=args.answer_tokens,
+            temperature=temps[0],
+            seed=args.seed + 999,
+            tag="followup",
         )
         tags.append("followup")
     records = [r for r in read_records(data) if r["tag"] in set(tags)]
@@ -131,13 +152,23 @@ def cmd_distill(args, open_pair) -> int:
 
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = TrainConfig(
-        layers=args.layers, context_layers=args.context_layers, anchors=args.anchors, steps=args.steps,
-        sequences_per_step=args.sequences_per_step, draft_vocab_size=args.draft_vocab, init=args.init,
-        learning_rate=args.lr, eval_every=args.eval_every, seed=args.seed, backend=pick_backend(args.train_backend, "--train-backend"),
+        layers=args.layers,
+        context_layers=args.context_layers,
+        anchors=args.anchors,
+        steps=args.steps,
+        sequences_per_step=args.sequences_per_step,
+        draft_vocab_size=args.draft_vocab,
+        init=args.init,
+        learning_rate=args.lr,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        backend=pick_backend(args.train_backend, "--train-backend"),
         compile=not args.no_compile,
     )
     source = None
-    if config.backend == "torch":  # the torch step's features come from torch too (batched, bfloat16: minutes, not hours)
+    if (
+        config.backend == "torch"
+    ):  # the torch step's features come from torch too (batched, bfloat16: minutes, not hours)
         from .features import TorchFeatures
 
         source = TorchFeatures(pair.target_path)
@@ -148,20 +179,35 @@ def cmd_distill(args, open_pair) -> int:
     log_path = out / "log.json"
     log = json.loads(log_path.read_text()) if log_path.is_file() else {"evaluations": []}
     log.update(
-        command=" ".join(sys.argv), answers=len(records), target_tokens=n_tokens, draft_vocab=int(trainer.draft_vocab.shape[0]),
-        config=vars(config), mask_token_id=mask, target_layer_ids=trainer.drafter_config.target_layer_ids,
+        command=" ".join(sys.argv),
+        answers=len(records),
+        target_tokens=n_tokens,
+        draft_vocab=int(trainer.draft_vocab.shape[0]),
+        config=vars(config),
+        mask_token_id=mask,
+        target_layer_ids=trainer.drafter_config.target_layer_ids,
         draft_vocab_coverage=trainer.vocab_coverage,
-        eval={"prompts": len(eval_ids), "max_tokens": args.eval_tokens, "block_size": 16, "sampling": "greedy",
-              "chat_template": True},
+        eval={
+            "prompts": len(eval_ids),
+            "max_tokens": args.eval_tokens,
+            "block_size": 16,
+            "sampling": "greedy",
+            "chat_template": True,
+        },
     )
 
     def evaluate(tr: Trainer) -> float:
         report = heldout_acceptance(target, tr.model, eval_ids, max_tokens=args.eval_tokens, stop_ids=tok.eos_token_ids)
         seen = tr.step * config.sequences_per_step
         log["evaluations"] = [e for e in log["evaluations"] if e["step"] != tr.step] + [
-            {"step": tr.step, "mean_acceptance": report.mean, "per_prompt": report.per_prompt,
-             "sequences_seen": seen, "target_tokens_seen": round(seen * n_tokens / max(len(records), 1)),
-             "block_positions_per_second": getattr(tr, "positions_per_second", None)}
+            {
+                "step": tr.step,
+                "mean_acceptance": report.mean,
+                "per_prompt": report.per_prompt,
+                "sequences_seen": seen,
+                "target_tokens_seen": round(seen * n_tokens / max(len(records), 1)),
+                "block_positions_per_second": getattr(tr, "positions_per_second", None),
+            }
         ]
         log_path.write_text(json.dumps(log, indent=2))
         return report.mean
@@ -170,7 +216,10 @@ def cmd_distill(args, open_pair) -> int:
     best = export_best(log["evaluations"], out)
     log["exported"] = best
     log_path.write_text(json.dumps(log, indent=2))
-    print(f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {out / 'drafter'}", file=sys.stderr)
+    print(
+        f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {out / 'drafter'}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -185,8 +234,9 @@ def export_best(evaluations: list[dict], out: Path) -> dict:
             refused.append(f"step {e['step']}: {why}")
             continue
         return e
-    raise GlimmerError(f"distill: no checkpoint can be exported ({'; '.join(refused) or 'none was evaluated'}); "
-                       "try a lower --lr")
+    raise GlimmerError(
+        f"distill: no checkpoint can be exported ({'; '.join(refused) or 'none was evaluated'}); try a lower --lr"
+    )
 
 
 class UnusableDrafter(GlimmerError):

@@ -93,7 +93,9 @@ class HeadCrossEntropy(torch.autograd.Function):
         return (grad * g).to(ctx.h_dtype), None, None, None, None
 
 
-def head_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def head_cross_entropy(
+    h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     chunk = max(16, (1 << 21) // head.shape[0])  # ~8 MB of float32 logits per chunk (256 rows of an 8k head)
     return HeadCrossEntropy.apply(h, head, labels, weights, chunk)
 
@@ -105,8 +107,16 @@ def _register() -> None:
 
 
 class TorchStep:
-    def __init__(self, model: DFlashModel, drafter_config: DrafterConfig, head: mx.array, embed, config: TrainConfig,
-                 dtype: str = "bfloat16", compile: bool = False):
+    def __init__(
+        self,
+        model: DFlashModel,
+        drafter_config: DrafterConfig,
+        head: mx.array,
+        embed,
+        config: TrainConfig,
+        dtype: str = "bfloat16",
+        compile: bool = False,
+    ):
         from transformers import MuseGlimmerAssistantModel
 
         from ..torch_backend.loading import assistant_config
@@ -114,7 +124,9 @@ class TorchStep:
         self.mlx_model, self.embed, self.config = model, embed, config
         self.autocast = dtype == "bfloat16"
         _register()
-        self.net = MuseGlimmerAssistantModel._from_config(assistant_config(drafter_config), attn_implementation="drafter_blocks")
+        self.net = MuseGlimmerAssistantModel._from_config(
+            assistant_config(drafter_config), attn_implementation="drafter_blocks"
+        )
         self.net.train()
         self._load_from_mlx()
         if compile:  # static shapes, one compile per context width (`TrainConfig.context_multiple` keeps them few)
@@ -123,10 +135,12 @@ class TorchStep:
         self.head = torch.from_numpy(np.array(head.astype(mx.float32)))  # [Vd, H], frozen
         self.head_bf16 = self.head.to(torch.bfloat16)
         self.position_weights = torch.exp(-torch.arange(config.block_size - 1, dtype=torch.float32) / config.gamma)
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=config.learning_rate,
-                                           weight_decay=config.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            self.net.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, fused=True
+        )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: learning_rate(step, config) / config.learning_rate)
+            self.optimizer, lambda step: learning_rate(step, config) / config.learning_rate
+        )
 
     def _mlx_weights(self) -> dict[str, mx.array]:
         return {k: v for k, v in tree_flatten(self.mlx_model.parameters()) if k != "draft_vocab"}
@@ -136,7 +150,9 @@ class TorchStep:
         missing, unexpected = self.net.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("inv_freq")]
         if missing or unexpected:
-            raise RuntimeError(f"MLX drafter and transformers' assistant differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise RuntimeError(
+                f"MLX drafter and transformers' assistant differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         S, A, B = batch.block_ids.shape
@@ -150,12 +166,18 @@ class TorchStep:
         h = self.forward(noise, context, position_ids, mask).reshape(S, A, B, -1)[:, :, 1:]  # [S, A, B-1, H]
         w = (self.position_weights * torch.from_numpy(batch.valid)).flatten()
         head = self.head_bf16 if self.autocast else self.head
-        return head_cross_entropy(h.flatten(0, 2), head, torch.from_numpy(batch.labels).flatten(), w / w.sum().clamp(min=1.0))
+        return head_cross_entropy(
+            h.flatten(0, 2), head, torch.from_numpy(batch.labels).flatten(), w / w.sum().clamp(min=1.0)
+        )
 
     def _forward(self, noise, context, position_ids, mask) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            return self.net(noise_embeds=noise, context_hidden_states=context, position_ids=position_ids,
-                            attention_mask={"full_attention": mask, "sliding_attention": mask}).last_hidden_state
+            return self.net(
+                noise_embeds=noise,
+                context_hidden_states=context,
+                position_ids=position_ids,
+                attention_mask={"full_attention": mask, "sliding_attention": mask},
+            ).last_hidden_state
 
     def __call__(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -175,10 +197,14 @@ class TorchStep:
 
     def sync(self) -> None:
         state = self.net.state_dict()
-        self.mlx_model.load_weights([(k, mx.array(state[k].float().numpy())) for k in self._mlx_weights()], strict=False)
+        self.mlx_model.load_weights(
+            [(k, mx.array(state[k].float().numpy())) for k in self._mlx_weights()], strict=False
+        )
 
     def save_optimizer(self, path: Path) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}, path / "optimizer.pt")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}, path / "optimizer.pt"
+        )
 
     def load_optimizer(self, path: Path) -> None:
         self._load_from_mlx()

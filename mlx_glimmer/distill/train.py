@@ -51,7 +51,9 @@ from .features import FeatureSource, FeatureStore, target_features  # noqa: F401
 from .step import Batch, TrainConfig, TrainStep, learning_rate  # noqa: F401  (TrainConfig re-exported for scripts)
 
 
-def drafter_config_for(target: Target, train: TrainConfig, mask_token_id: int, draft_vocab_size: int | None) -> DrafterConfig:
+def drafter_config_for(
+    target: Target, train: TrainConfig, mask_token_id: int, draft_vocab_size: int | None
+) -> DrafterConfig:
     args = target.args
     heads = int(args.num_attention_heads)
     return DrafterConfig(
@@ -74,8 +76,14 @@ def drafter_config_for(target: Target, train: TrainConfig, mask_token_id: int, d
     )
 
 
-def block_forward(model: DFlashModel, noise: mx.array, positions: mx.array, ctx: mx.array, anchors: mx.array,
-                  rows: mx.array | None = None) -> mx.array:
+def block_forward(
+    model: DFlashModel,
+    noise: mx.array,
+    positions: mx.array,
+    ctx: mx.array,
+    anchors: mx.array,
+    rows: mx.array | None = None,
+) -> mx.array:
     """Hidden states of A blocks at once. noise [A, B, H]; positions [A] (anchor positions); ctx [S, T, k*H]
     features of S sequences (or [T, k*H] for one); `rows` [A] the sequence of each block (default all 0);
     block a sees its sequence's context positions < anchors[a] and its own block."""
@@ -115,7 +123,7 @@ def draft_vocabulary(records: list[dict], mask_token_id: int, size: int | None) 
 
 def copy_target_layers(model: DFlashModel, target: Target) -> None:
     """Initialise drafter layer j from the target's layer n - L + j (matching shapes only)."""
-    source = target.model.model.layers[-len(model.layers):]
+    source = target.model.model.layers[-len(model.layers) :]
     weights = []
     for j, layer in enumerate(source):
         own = dict(tree_flatten(model.layers[j].parameters()))
@@ -151,8 +159,17 @@ def load_for_fine_tuning(model: DFlashModel, saved: dict[str, mx.array], source:
 
 
 class Trainer:
-    def __init__(self, target: Target, records: list[dict], config: TrainConfig, out_dir: Path, *, mask_token_id: int,
-                 feature_source: FeatureSource | None = None, log=sys.stderr):
+    def __init__(
+        self,
+        target: Target,
+        records: list[dict],
+        config: TrainConfig,
+        out_dir: Path,
+        *,
+        mask_token_id: int,
+        feature_source: FeatureSource | None = None,
+        log=sys.stderr,
+    ):
         self.target = target
         self.config = config
         self.out_dir = Path(out_dir)
@@ -176,14 +193,17 @@ class Trainer:
         self.embed = target.model.model.embed_tokens
         self.step = 0
         self.order: list[int] = []  # sequences left in this epoch
-        self.features = FeatureStore(self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids,
-                                     feature_source)
+        self.features = FeatureStore(
+            self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids, feature_source
+        )
         if config.backend == "mlx":
             self.step_fn: TrainStep = MLXStep(self.model, self.head, self.embed, config)
         elif config.backend == "torch":
             from .torch_step import TorchStep
 
-            self.step_fn = TorchStep(self.model, self.drafter_config, self.head, self.embed, config, compile=config.compile)
+            self.step_fn = TorchStep(
+                self.model, self.drafter_config, self.head, self.embed, config, compile=config.compile
+            )
         else:
             raise GlimmerError(f"backend: {config.backend!r} is neither 'mlx' nor 'torch'")
 
@@ -196,11 +216,17 @@ class Trainer:
         path = Path(init)
         if not (path / "model.safetensors").is_file():
             raise GlimmerError(f"--init: {init!r} is neither 'random', 'target' nor a drafter directory")
-        saved = {k: v.astype(mx.float32) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"}
+        saved = {
+            k: v.astype(mx.float32) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"
+        }
         added = load_for_fine_tuning(self.model, saved, str(path))
         if added:
-            print(f"[init] {path}: {len(self.model.layers) - added} layers, grown to {len(self.model.layers)} by "
-                  "identity layers", file=self.log, flush=True)
+            print(
+                f"[init] {path}: {len(self.model.layers) - added} layers, grown to {len(self.model.layers)} by "
+                "identity layers",
+                file=self.log,
+                flush=True,
+            )
 
     def context_width(self, indices) -> int:
         m = max(1, self.config.context_multiple)
@@ -249,11 +275,18 @@ class Trainer:
         by_width: dict[int, list[int]] = {}
         for i in range(len(self.sequences)):
             by_width.setdefault(self.context_width([i]), []).append(i)
-        n, rng, tic = min(self.config.sequences_per_step, len(self.sequences)), np.random.default_rng(0), time.perf_counter()
+        n, rng, tic = (
+            min(self.config.sequences_per_step, len(self.sequences)),
+            np.random.default_rng(0),
+            time.perf_counter(),
+        )
         for k, (width, indices) in enumerate(sorted(by_width.items())):
             self.step_fn.warm_up(self.batch((indices * n)[:n], rng))
-            print(f"[compile] context width {width} ({k + 1}/{len(by_width)}, {time.perf_counter() - tic:.0f} s)",
-                  file=self.log, flush=True)
+            print(
+                f"[compile] context width {width} ({k + 1}/{len(by_width)}, {time.perf_counter() - tic:.0f} s)",
+                file=self.log,
+                flush=True,
+            )
         return sorted(by_width)
 
     def train(self, evaluate=None, until: int | None = None) -> None:
@@ -273,8 +306,12 @@ class Trainer:
             if self.step % 25 == 0:
                 elapsed = time.perf_counter() - tic
                 self.positions_per_second = positions / elapsed
-                print(f"[train] step {self.step}/{c.steps} loss {np.mean(losses):.3f} ({25 / elapsed:.2f} steps/s, "
-                      f"{self.positions_per_second:.0f} block positions/s)", file=self.log, flush=True)
+                print(
+                    f"[train] step {self.step}/{c.steps} loss {np.mean(losses):.3f} ({25 / elapsed:.2f} steps/s, "
+                    f"{self.positions_per_second:.0f} block positions/s)",
+                    file=self.log,
+                    flush=True,
+                )
                 tic, losses, positions = time.perf_counter(), [], 0.0
             if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                 self.save(self.out_dir / "checkpoint")
@@ -295,7 +332,12 @@ class Trainer:
         mx.save_safetensors(str(path / "model.safetensors"), weights)
         (path / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
         self.step_fn.save_optimizer(path)
-        meta = {"step": self.step, "order": self.order, "rng": self.rng.bit_generator.state, "backend": self.config.backend}
+        meta = {
+            "step": self.step,
+            "order": self.order,
+            "rng": self.rng.bit_generator.state,
+            "backend": self.config.backend,
+        }
         (path / "trainer.json").write_text(json.dumps(meta))
 
     def resume(self, path: Path) -> bool:
@@ -303,8 +345,10 @@ class Trainer:
             return False
         meta = json.loads((path / "trainer.json").read_text())
         if meta.get("backend", "mlx") != self.config.backend:
-            raise GlimmerError(f"{path}: this checkpoint was trained with --train-backend {meta.get('backend', 'mlx')}; "
-                               f"resume with the same backend (or start a new --out)")
+            raise GlimmerError(
+                f"{path}: this checkpoint was trained with --train-backend {meta.get('backend', 'mlx')}; "
+                f"resume with the same backend (or start a new --out)"
+            )
         self.model.load_weights(str(path / "model.safetensors"), strict=False)
         self.step_fn.load_optimizer(path)
         self.step = meta["step"]
@@ -325,8 +369,11 @@ class MLXStep:
     def __init__(self, model: DFlashModel, head: mx.array, embed, config: TrainConfig):
         self.model, self.head, self.embed = model, head, embed
         self.position_weights = mx.exp(-mx.arange(config.block_size - 1, dtype=mx.float32) / config.gamma)
-        self.optimizer = optim.AdamW(learning_rate=lambda step: mx.array(learning_rate(int(step.item()), config)),
-                                     weight_decay=config.weight_decay, bias_correction=True)
+        self.optimizer = optim.AdamW(
+            learning_rate=lambda step: mx.array(learning_rate(int(step.item()), config)),
+            weight_decay=config.weight_decay,
+            bias_correction=True,
+        )
         self.loss_and_grad = nn.value_and_grad(model, self._loss)
 
     def _loss(self, batch: Batch) -> mx.array:
@@ -356,7 +403,9 @@ class MLXStep:
 
     def save_optimizer(self, path: Path) -> None:
         state = dict(tree_flatten(self.optimizer.state))
-        mx.save_safetensors(str(path / "optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+        mx.save_safetensors(
+            str(path / "optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)}
+        )
 
     def load_optimizer(self, path: Path) -> None:
         from mlx.utils import tree_unflatten

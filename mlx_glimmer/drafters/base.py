@@ -531,8 +531,9 @@ def load_block_weights(model: nn.Module, path: Path, weights: dict[str, mx.array
             own = quant.get(p)
             return {k: own[k] for k in ("group_size", "bits", "mode") if k in own} if isinstance(own, dict) else True
 
-        nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
-                    class_predicate=quantized_here)
+        nn.quantize(
+            model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4), class_predicate=quantized_here
+        )
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

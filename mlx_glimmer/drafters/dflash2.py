@@ -98,13 +98,17 @@ class DFlash2Config(DrafterConfig):
     def check(self, where: Path) -> None:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
-                raise GlimmerError(f"{where}: dflash_config.{name} is missing or not positive (a DFlash2 drafter needs it)")
+                raise GlimmerError(
+                    f"{where}: dflash_config.{name} is missing or not positive (a DFlash2 drafter needs it)"
+                )
         if self.hidden_size % self.conv_group_size:
             raise GlimmerError(
                 f"{where}: dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
             )
         if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
-            raise GlimmerError(f"{where}: dflash_config.selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+            raise GlimmerError(
+                f"{where}: dflash_config.selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}"
+            )
 
 
 class DFlash2Attention(Attention):

@@ -125,4 +125,6 @@ def check_same_tokenizer(target_tok, draft_tok, where: str) -> None:
     d_inv = {i: s for s, i in draft_tok.vocab.items()}
     for i in list(range(0, tv, max(1, tv // 200)))[:200]:
         if t_inv.get(i) != d_inv.get(i):
-            raise GlimmerError(f"{where}: token {i} is {d_inv.get(i)!r} in the drafter but {t_inv.get(i)!r} in the target")
+            raise GlimmerError(
+                f"{where}: token {i} is {d_inv.get(i)!r} in the drafter but {t_inv.get(i)!r} in the target"
+            )

@@ -53,7 +53,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_of(raw: dict) -> str | None:
-    """"dflash2" / "dspark" / "dflash" for a block drafter's config, None for anything else."""
+    """ "dflash2" / "dspark" / "dflash" for a block drafter's config, None for anything else."""
     arch = " ".join(raw.get("architectures") or []).lower()
     block = raw.get("dflash_config") or {}
     if "dflash2" in arch or any(k in block for k in ("selector_top_k", "conv_kernel_size")):

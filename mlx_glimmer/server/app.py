@@ -114,8 +114,12 @@ def json_content_type(value: str) -> bool:
 
 def check_model(server: ServerState, model: str | None) -> None:
     if model not in (None, "", server.model_name, "default", "default_model"):
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.model_name}'",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{server.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int]:
@@ -124,8 +128,12 @@ def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int
         if isinstance(req, ChatCompletionRequest):
             plan = plan or ToolPlan()
             messages = with_instruction(chat_messages(req), plan.instruction)
-            kwargs = {**server.chat_template_kwargs, **reasoning_kwargs(tokenizer, req.reasoning_effort),
-                      **({"tools": plan.tools} if plan.tools else {}), **(req.chat_template_kwargs or {})}
+            kwargs = {
+                **server.chat_template_kwargs,
+                **reasoning_kwargs(tokenizer, req.reasoning_effort),
+                **({"tools": plan.tools} if plan.tools else {}),
+                **(req.chat_template_kwargs or {}),
+            }
             try:
                 return encode_prompt(tokenizer, messages, kwargs)
             except GlimmerError as e:
@@ -136,8 +144,9 @@ def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int
                 # The template choked on what the client gave it (a variable of chat_template_kwargs of a type it
                 # cannot use, say): the request's doing, as the same template renders well-formed requests.
                 param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
-                raise APIError(400, f"the chat template could not render this request ({type(e).__name__}: {e})",
-                               param=param) from None
+                raise APIError(
+                    400, f"the chat template could not render this request ({type(e).__name__}: {e})", param=param
+                ) from None
         prompt = req.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -180,14 +189,21 @@ async def completion(request: Request, chat: bool):
     try:
         server.worker.submit(job)
     except QueueFull:
-        raise APIError(503, "the server is busy: its request queue is full; retry later", type="server_error",
-                       code="overloaded", headers={"Retry-After": str(retry_after(server))}) from None
+        raise APIError(
+            503,
+            "the server is busy: its request queue is full; retry later",
+            type="server_error",
+            code="overloaded",
+            headers={"Retry-After": str(retry_after(server))},
+        ) from None
     shape = ResponseShape.new(chat, server.model_name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_events(job, events, shape, include_usage, reader),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream_events(job, events, shape, include_usage, reader),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return await whole_response(request, job, events, shape, reader)
 
 
@@ -209,8 +225,9 @@ def final_reason(finish_reason: str, calls: list[dict]) -> str:
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
-async def whole_response(request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape,
-                         reader: ResponseParser | None = None):
+async def whole_response(
+    request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape, reader: ResponseParser | None = None
+):
     text, reasoning = [], []
 
     def add(parts):
@@ -236,8 +253,16 @@ async def whole_response(request: Request, job: Job, events: asyncio.Queue, shap
                     calls, error = reader.plan.check(reader.calls)
                     if error:
                         return JSONResponse(tool_choice_error(error), status_code=TOOL_CHOICE_STATUS)
-                return JSONResponse(shape.whole("".join(text), final_reason(event.finish_reason, calls), event.stats,
-                                                event.queue_wait_s, reasoning="".join(reasoning), tool_calls=calls))
+                return JSONResponse(
+                    shape.whole(
+                        "".join(text),
+                        final_reason(event.finish_reason, calls),
+                        event.stats,
+                        event.queue_wait_s,
+                        reasoning="".join(reasoning),
+                        tool_calls=calls,
+                    )
+                )
             elif isinstance(event, Failed):
                 return JSONResponse(error_body(event.message, "server_error"), status_code=500)
     finally:
@@ -265,8 +290,9 @@ def part_chunks(shape: ResponseShape, parts, first_index: int = 0) -> list[dict]
     return [c for _, c in chunks]
 
 
-async def stream_events(job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool,
-                        reader: ResponseParser | None = None):
+async def stream_events(
+    job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool, reader: ResponseParser | None = None
+):
     held = []  # with tool_choice required / named: content and calls wait until the reply has been checked
     enforced = reader is not None and reader.plan.enforced
     sent_calls = 0
@@ -331,8 +357,9 @@ def create_app(server: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         code = "not_found" if e.status_code == 404 else None
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", code=code),
-                            status_code=e.status_code)
+        return JSONResponse(
+            error_body(f"{request.method} {request.url.path}: {e.detail}", code=code), status_code=e.status_code
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
@@ -367,8 +394,13 @@ def create_app(server: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         w = server.worker
-        text = metrics_text(w.metrics, queue_depth=w.queue_depth, busy=w.busy, prompt_cache_max_bytes=w.prompt_cache_bytes,
-                            uptime_s=time.time() - server.started)
+        text = metrics_text(
+            w.metrics,
+            queue_depth=w.queue_depth,
+            busy=w.busy,
+            prompt_cache_max_bytes=w.prompt_cache_bytes,
+            uptime_s=time.time() - server.started,
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
@@ -387,24 +419,39 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(load_pair, *, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          defaults: GenerationSettings, max_queue: int = 32, prompt_cache_bytes: int = 1 << 30,
-          max_context: int | None = None, log_level: str = "warning") -> None:
+def serve(
+    load_pair,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_name: str | None = None,
+    defaults: GenerationSettings,
+    max_queue: int = 32,
+    prompt_cache_bytes: int = 1 << 30,
+    max_context: int | None = None,
+    log_level: str = "warning",
+) -> None:
     """Load the pair on the generation thread, then serve until interrupted."""
     import uvicorn
 
     sock = bind(host, port)  # before loading: a taken port fails fast
     if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"mlx-glimmer serve: warning: listening on {host}, beyond this machine, with no authentication",
-              file=sys.stderr)
+        print(
+            f"mlx-glimmer serve: warning: listening on {host}, beyond this machine, with no authentication",
+            file=sys.stderr,
+        )
     worker = GenerationWorker(load_pair, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes)
     pair = worker.start()
     server = ServerState(worker, model_name or pair.name, defaults, max_context or model_context(pair))
     app = create_app(server)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    print(f"mlx-glimmer serve: '{server.model_name}' ({'drafter ' + pair.drafter.kind if pair.drafter else 'no drafter'}, "
-          f"context {server.max_context}) at http://{shown}:{actual}/v1", file=sys.stderr, flush=True)
+    print(
+        f"mlx-glimmer serve: '{server.model_name}' ({'drafter ' + pair.drafter.kind if pair.drafter else 'no drafter'}, "
+        f"context {server.max_context}) at http://{shown}:{actual}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -12,8 +12,19 @@ from ..settings import GenerationSettings
 # What a request leaves out comes from these (the flags change them).
 SERVE_DEFAULTS = GenerationSettings(max_tokens=512)
 
-UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def byte_size(text: str) -> int:
@@ -43,14 +54,30 @@ def add_serve_parser(sub) -> None:
     # A request's own fields win over these.
     add_sampling_flags(s, SERVE_DEFAULTS, seed=False, what="for a request that sets none")
     next(a for a in s._actions if a.dest == "no_spec").help = "plain decoding unless a request sets speculative: true"
-    s.add_argument("--max-queue", type=positive_int, default=32,
-                   help="requests that may wait for the model; more get 503 with Retry-After (default 32)")
-    s.add_argument("--prompt-cache-bytes", type=byte_size, default=byte_size("1GiB"),
-                   help="bound on cached conversations' KV caches, e.g. 512MiB, 4GB (default 1GiB)")
-    s.add_argument("--max-context", type=positive_int, default=None,
-                   help="longest prompt + max_tokens accepted (default: the target's max_position_embeddings)")
-    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn log level (default warning)")
+    s.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=32,
+        help="requests that may wait for the model; more get 503 with Retry-After (default 32)",
+    )
+    s.add_argument(
+        "--prompt-cache-bytes",
+        type=byte_size,
+        default=byte_size("1GiB"),
+        help="bound on cached conversations' KV caches, e.g. 512MiB, 4GB (default 1GiB)",
+    )
+    s.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        help="longest prompt + max_tokens accepted (default: the target's max_position_embeddings)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level (default warning)",
+    )
 
 
 def cmd_serve(args, open_pair) -> int:
@@ -62,7 +89,15 @@ def cmd_serve(args, open_pair) -> int:
     def load_pair():
         return open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
 
-    serve(load_pair, host=args.host, port=args.port, model_name=args.model_name, defaults=defaults,
-          max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes, max_context=args.max_context,
-          log_level=args.log_level)
+    serve(
+        load_pair,
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        defaults=defaults,
+        max_queue=args.max_queue,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        max_context=args.max_context,
+        log_level=args.log_level,
+    )
     return 0

@@ -39,9 +39,14 @@ class ServerMetrics:
     def snapshot(self) -> "ServerMetrics":
         """A consistent copy for the HTTP side to read."""
         with self.lock:
-            return replace(self, requests=Counter(self.requests), block_sizes=Counter(self.block_sizes),
-                           acceptance=Counter(self.acceptance), prefix_cache=replace(self.prefix_cache),
-                           lock=threading.Lock())
+            return replace(
+                self,
+                requests=Counter(self.requests),
+                block_sizes=Counter(self.block_sizes),
+                acceptance=Counter(self.acceptance),
+                prefix_cache=replace(self.prefix_cache),
+                lock=threading.Lock(),
+            )
 
     def record_cache(self, cache: PromptCache) -> None:
         with self.lock:
@@ -80,8 +85,9 @@ class ServerMetrics:
         return self.committed_by_rounds / self.target_forwards if self.target_forwards else 0.0
 
 
-def metrics_text(metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int,
-                 uptime_s: float) -> str:
+def metrics_text(
+    metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int, uptime_s: float
+) -> str:
     """The Prometheus text of `/metrics`."""
     m = metrics.snapshot()
     cache = m.prefix_cache
@@ -91,10 +97,16 @@ def metrics_text(metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt
         lines.append(f"# HELP glimmer_{name} {help}")
         lines.append(f"# TYPE glimmer_{name} {kind}")
         for labels, value in samples if isinstance(samples, list) else [("", samples)]:
-            lines.append(f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}")
+            lines.append(
+                f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}"
+            )
 
-    metric("requests_total", "counter", "requests finished, by finish reason",
-           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)])
+    metric(
+        "requests_total",
+        "counter",
+        "requests finished, by finish reason",
+        [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)],
+    )
     metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
     metric("queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
     metric("busy", "gauge", "1 while a request is generating", int(busy))
@@ -104,18 +116,41 @@ def metrics_text(metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt
     metric("generated_tokens_total", "counter", "tokens generated", m.generated_tokens)
     metric("target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
     metric("mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance))
-    metric("decode_tokens_per_second", "gauge", "decode speed over all requests",
-           float((m.generated_tokens - sum(m.requests.values())) / m.decode_s) if m.decode_s else 0.0)
-    metric("last_decode_tokens_per_second", "gauge", "decode speed of the last request", float(m.last_decode_tokens_per_second))
-    metric("prefill_tokens_per_second", "gauge", "prefill speed over all requests",
-           float(m.prefill_tokens / m.prefill_s) if m.prefill_s else 0.0)
+    metric(
+        "decode_tokens_per_second",
+        "gauge",
+        "decode speed over all requests",
+        float((m.generated_tokens - sum(m.requests.values())) / m.decode_s) if m.decode_s else 0.0,
+    )
+    metric(
+        "last_decode_tokens_per_second",
+        "gauge",
+        "decode speed of the last request",
+        float(m.last_decode_tokens_per_second),
+    )
+    metric(
+        "prefill_tokens_per_second",
+        "gauge",
+        "prefill speed over all requests",
+        float(m.prefill_tokens / m.prefill_s) if m.prefill_s else 0.0,
+    )
     metric("queue_wait_seconds_total", "counter", "time requests spent queued", float(m.queue_wait_s))
-    metric("block_size_requests_total", "counter", "requests by draft block width",
-           [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)])
-    metric("rounds_by_committed_tokens_total", "counter", "verify rounds by tokens committed (acceptance histogram)",
-           [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)])
+    metric(
+        "block_size_requests_total",
+        "counter",
+        "requests by draft block width",
+        [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)],
+    )
+    metric(
+        "rounds_by_committed_tokens_total",
+        "counter",
+        "verify rounds by tokens committed (acceptance histogram)",
+        [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)],
+    )
     metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
-    metric("prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks)
+    metric(
+        "prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks
+    )
     metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
     metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
     metric("prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)

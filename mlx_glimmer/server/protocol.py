@@ -29,15 +29,29 @@ from ..settings import AUTO, GenerationSettings
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": printable(self.message), "type": self.type, "param": printable(self.param),
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": printable(self.message),
+                "type": self.type,
+                "param": printable(self.param),
+                "code": self.code,
+            }
+        }
 
 
 def printable(text: str | None) -> str | None:
@@ -141,13 +155,37 @@ class CommonFields(BaseModel):
 # `chat_template_kwargs` keys refused with a 400: the arguments of `apply_chat_template` itself and the
 # variables the server fills (the conversation, the tools, the generation prompt, the special tokens). Each
 # would change the prompt's format or what tokenizing returns, not just a template variable.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens",
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-    "additional_special_tokens", "raise_exception", "strftime_now",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_special_tokens",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 class ChatCompletionRequest(CommonFields):
@@ -167,8 +205,10 @@ class ChatCompletionRequest(CommonFields):
     def template_variables_only(cls, value):
         for key in value or {}:
             if key in RESERVED_TEMPLATE_KWARGS:
-                raise ValueError(f"{key!r} is set by the server, not by a request (it would change the prompt's "
-                                 "format); chat_template_kwargs sets only the template's own variables")
+                raise ValueError(
+                    f"{key!r} is set by the server, not by a request (it would change the prompt's "
+                    "format); chat_template_kwargs sets only the template's own variables"
+                )
         return value
 
 
@@ -179,21 +219,41 @@ class CompletionRequest(CommonFields):
     best_of: int | None = None
 
 
-UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]", "list[dict]", "dict", "none", "constrained-int",
-              "literal['auto']", "function-after[text_only(), str]"}
+UNION_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list[str]",
+    "list[int]",
+    "list[dict]",
+    "dict",
+    "none",
+    "constrained-int",
+    "literal['auto']",
+    "function-after[text_only(), str]",
+}
 
 
 def check_messages(req: "ChatCompletionRequest") -> None:
     """What the field types alone do not say about a conversation."""
     for i, m in enumerate(req.messages):
         if m.content is None and m.role != "assistant":
-            raise APIError(400, f"messages.{i}.content: a {m.role} message needs content", param=f"messages.{i}.content")
+            raise APIError(
+                400, f"messages.{i}.content: a {m.role} message needs content", param=f"messages.{i}.content"
+            )
         if m.role == "tool" and not m.tool_call_id:
-            raise APIError(400, f"messages.{i}.tool_call_id: a tool message needs the id of the call it answers",
-                           param=f"messages.{i}.tool_call_id")
+            raise APIError(
+                400,
+                f"messages.{i}.tool_call_id: a tool message needs the id of the call it answers",
+                param=f"messages.{i}.tool_call_id",
+            )
         if m.tool_calls and m.role != "assistant":
-            raise APIError(400, f"messages.{i}.tool_calls: only assistant messages hold tool calls",
-                           param=f"messages.{i}.tool_calls")
+            raise APIError(
+                400,
+                f"messages.{i}.tool_calls: only assistant messages hold tool calls",
+                param=f"messages.{i}.tool_calls",
+            )
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this (tool schemas included) are refused
@@ -216,8 +276,9 @@ def check_json(body: Any) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 param = where(path)
-                raise APIError(400, f"{param or 'body'}: the string holds a lone surrogate (not valid Unicode)",
-                               param=param) from None
+                raise APIError(
+                    400, f"{param or 'body'}: the string holds a lone surrogate (not valid Unicode)", param=param
+                ) from None
         elif isinstance(value, dict):
             for key, item in value.items():
                 stack.append((item, (*path, key)))
@@ -249,7 +310,10 @@ def refuse_unsupported(req: CommonFields) -> None:
     if req.logprobs:
         no("logprobs", "logprobs")
     if req.presence_penalty or req.frequency_penalty:
-        no("presence_penalty" if req.presence_penalty else "frequency_penalty", "a non-zero penalty (it would change the target's distribution)")
+        no(
+            "presence_penalty" if req.presence_penalty else "frequency_penalty",
+            "a non-zero penalty (it would change the target's distribution)",
+        )
     if req.logit_bias:
         no("logit_bias", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
@@ -303,8 +367,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["tool_calls"] = []
             for j, c in enumerate(m.tool_calls):
                 args = call_arguments(c, f"messages.{i}.tool_calls.{j}.function.arguments")
-                msg["tool_calls"].append({"id": c.id, "type": "function",
-                                          "function": {"name": c.function.name, "arguments": args}})
+                msg["tool_calls"].append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                )
                 names[c.id] = c.function.name
         if m.role == "tool":
             msg["tool_call_id"] = m.tool_call_id
@@ -316,26 +381,43 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def request_settings(req: CommonFields, defaults: GenerationSettings, prompt_tokens: int,
-                     max_context: int | None) -> tuple[GenerationSettings, list[str]]:
+def request_settings(
+    req: CommonFields, defaults: GenerationSettings, prompt_tokens: int, max_context: int | None
+) -> tuple[GenerationSettings, list[str]]:
     """A request's settings (its fields over the server's `defaults`) and stop strings, checked against the
     context limit."""
     if max_context is not None and prompt_tokens >= max_context:
-        raise APIError(400, f"the prompt has {prompt_tokens} tokens; this model's context is {max_context} tokens",
-                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; this model's context is {max_context} tokens",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
     asked = (req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None) or req.max_tokens
     if asked is None:
-        max_tokens = defaults.max_tokens if max_context is None else min(defaults.max_tokens, max_context - prompt_tokens)
+        max_tokens = (
+            defaults.max_tokens if max_context is None else min(defaults.max_tokens, max_context - prompt_tokens)
+        )
     elif max_context is not None and prompt_tokens + asked > max_context:
-        raise APIError(400, f"the prompt ({prompt_tokens} tokens) plus max_tokens ({asked}) exceeds this model's "
-                       f"context of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({asked}) exceeds this model's "
+            f"context of {max_context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     else:
         max_tokens = asked
     try:
-        settings = defaults.updated(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=req.seed or 0, speculative=req.speculative,
-                                    block_size=req.block_size)
+        settings = defaults.updated(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed or 0,
+            speculative=req.speculative,
+            block_size=req.block_size,
+        )
     except SamplingError as e:
         raise APIError(400, f"{e.field}: {e}", param=e.field) from None
     return settings, stop_strings(req.stop)
@@ -390,8 +472,16 @@ class ResponseShape:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats, queue_wait_s: float, *,
-              reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        stats: GenerationStats,
+        queue_wait_s: float,
+        *,
+        reasoning: str = "",
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text if text or not tool_calls else None}
             if reasoning:
@@ -401,11 +491,22 @@ class ResponseShape:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._envelope(False), "choices": [choice], "usage": usage(stats),
-                "glimmer": glimmer_stats(stats, queue_wait_s)}
+        return {
+            **self._envelope(False),
+            "choices": [choice],
+            "usage": usage(stats),
+            "glimmer": glimmer_stats(stats, queue_wait_s),
+        }
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, role: bool = False,
-              reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        *,
+        role: bool = False,
+        reasoning: str | None = None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             if reasoning is not None:

@@ -68,7 +68,11 @@ class ToolPlan:
         return self.choice in ("required", "function")
 
     def describe(self) -> str:
-        return f"tool_choice names the function '{self.function}'" if self.choice == "function" else "tool_choice is 'required'"
+        return (
+            f"tool_choice names the function '{self.function}'"
+            if self.choice == "function"
+            else "tool_choice is 'required'"
+        )
 
     def check(self, calls: list[dict]) -> tuple[list[dict], str | None]:
         """The calls this tool_choice lets through, or an error when it asks for a call and none qualifies."""
@@ -79,8 +83,10 @@ class ToolPlan:
         if kept:
             return kept, None
         what = f"a call to '{self.function}'" if self.choice == "function" else "a call to one of the offered tools"
-        return [], (f"{self.describe()}, but the model's reply holds no {what}; tool_choice is honoured by the "
-                    f"prompt and by checking the reply, not by constraining generation (try again, or sample)")
+        return [], (
+            f"{self.describe()}, but the model's reply holds no {what}; tool_choice is honoured by the "
+            f"prompt and by checking the reply, not by constraining generation (try again, or sample)"
+        )
 
 
 def plan_tools(req: ChatCompletionRequest, tokenizer, model_name: str) -> ToolPlan:
@@ -89,31 +95,42 @@ def plan_tools(req: ChatCompletionRequest, tokenizer, model_name: str) -> ToolPl
     names = [t.function.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise APIError(400, f"tools.{i}.function.name: the function '{name}' is defined twice",
-                           param=f"tools.{i}.function.name")
+            raise APIError(
+                400,
+                f"tools.{i}.function.name: the function '{name}' is defined twice",
+                param=f"tools.{i}.function.name",
+            )
     choice, function = req.tool_choice, None
     if choice is None:
         choice = "auto" if tools else "none"
     elif isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(400, 'tool_choice: expected "auto", "none", "required" or '
-                           '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+            raise APIError(
+                400,
+                'tool_choice: expected "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
         choice, function = "function", fn["name"]
         if function not in names:
             raise APIError(400, f"tool_choice: the function '{function}' is not among the tools", param="tool_choice")
     elif choice not in CHOICES:
-        raise APIError(400, f'tool_choice: expected "auto", "none", "required" or a function, got {choice!r}',
-                       param="tool_choice")
+        raise APIError(
+            400, f'tool_choice: expected "auto", "none", "required" or a function, got {choice!r}', param="tool_choice"
+        )
     if choice in ("required", "function") and not tools:
         raise APIError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
 
     offered = bool(tools) and choice != "none"
     if (offered or uses_tools_in_history(req)) and not tool_support(tokenizer):
         param = "tools" if offered else "messages"
-        raise APIError(400, f"{param}: the chat template of '{model_name}' has no tool-call format (mlx-lm infers no "
-                       f"tool parser from it), so this model takes no tools and no tool calls or tool messages",
-                       param=param, code="tools_not_supported")
+        raise APIError(
+            400,
+            f"{param}: the chat template of '{model_name}' has no tool-call format (mlx-lm infers no "
+            f"tool parser from it), so this model takes no tools and no tool calls or tool messages",
+            param=param,
+            code="tools_not_supported",
+        )
     if not offered:
         return ToolPlan("none")
     chosen = [t for t in tools if choice != "function" or t.function.name == function]
@@ -154,8 +171,10 @@ def response_format(tokenizer) -> dict | None:
     """The channel format of the model's replies: mlx-lm's own for the tokenizer (a model module's
     `chat_template_type`), else Muse's when the chat template writes channel headers; None for plain replies."""
     if tokenizer.response_transitions:
-        return {"transitions": tokenizer.response_transitions,
-                "initial_state": tokenizer.response_initial_state or "normal"}
+        return {
+            "transitions": tokenizer.response_transitions,
+            "initial_state": tokenizer.response_initial_state or "normal",
+        }
     if is_channel_template(template_text(tokenizer)):
         return CHANNEL_FORMAT
     return None

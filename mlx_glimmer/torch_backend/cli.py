@@ -15,15 +15,22 @@ from ..flags import positive_int
 
 
 def add_backend_flags(p) -> None:
-    p.add_argument("--backend", choices=("mlx", "torch"), default="mlx",
-                   help="mlx (default) or torch (transformers' model classes on CUDA, MPS or CPU)")
+    p.add_argument(
+        "--backend",
+        choices=("mlx", "torch"),
+        default="mlx",
+        help="mlx (default) or torch (transformers' model classes on CUDA, MPS or CPU)",
+    )
     add_torch_flags(p)
 
 
 def add_torch_flags(p) -> None:
     p.add_argument("--device", default="auto", help="torch device: auto (cuda, then mps, then cpu), cuda, mps, cpu")
-    p.add_argument("--torch-dtype", default="auto",
-                   help="torch compute dtype: auto (what MLX computes the bundle in), float32, bfloat16, float16")
+    p.add_argument(
+        "--torch-dtype",
+        default="auto",
+        help="torch compute dtype: auto (what MLX computes the bundle in), float32, bfloat16, float16",
+    )
 
 
 def _require_torch():
@@ -34,8 +41,14 @@ def _require_torch():
         raise GlimmerError(f"the torch backend needs torch and transformers ({e.name} is not installed)") from None
 
 
-def open_torch_pair(bundle: str | None, drafter: str | None = None, *, use_drafter: bool = True,
-                    device: str = "auto", dtype: str = "auto"):
+def open_torch_pair(
+    bundle: str | None,
+    drafter: str | None = None,
+    *,
+    use_drafter: bool = True,
+    device: str = "auto",
+    dtype: str = "auto",
+):
     _require_torch()
     from .loading import load_torch
 
@@ -56,10 +69,12 @@ def open_backend(args, open_pair):
     """The pair for `generate`, on the backend its flags ask for (`open_pair` opens an MLX pair)."""
     check_backend_flags(args)
     if args.backend == "torch":
-        return open_torch_pair(args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device,
-                               dtype=args.torch_dtype)
-    return open_pair(args.bundle, args.drafter, use_drafter=not args.no_spec,
-                     draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+        return open_torch_pair(
+            args.bundle, args.drafter, use_drafter=not args.no_spec, device=args.device, dtype=args.torch_dtype
+        )
+    return open_pair(
+        args.bundle, args.drafter, use_drafter=not args.no_spec, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup
+    )
 
 
 def add_parity_parser(sub) -> None:
@@ -75,12 +90,19 @@ def add_parity_parser(sub) -> None:
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
     p.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
-    p.add_argument("--prompts", default=None,
-                   help="JSONL file ({'prompt': ...} or {'messages': [...]} per line) or plain text, one prompt a "
-                        "line (default: mlx-glimmer's held-out prompts)")
-    p.add_argument("--num-prompts", type=positive_int, default=None, help="use the first N prompts (default 3; 8 with --full)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL file ({'prompt': ...} or {'messages': [...]} per line) or plain text, one prompt a "
+        "line (default: mlx-glimmer's held-out prompts)",
+    )
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=None, help="use the first N prompts (default 3; 8 with --full)"
+    )
     p.add_argument("--max-tokens", type=positive_int, default=None, help="tokens per run (default 64; 128 with --full)")
-    p.add_argument("--full", action="store_true", help="the full check: 8 prompts x 128 tokens (~20 min on a 2-core CPU)")
+    p.add_argument(
+        "--full", action="store_true", help="the full check: 8 prompts x 128 tokens (~20 min on a 2-core CPU)"
+    )
     p.add_argument("--block-size", type=positive_int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, without the chat template")
     add_torch_flags(p)
@@ -101,8 +123,13 @@ def cmd_parity(args, open_pair) -> int:
     mlx_pair = open_pair(args.bundle, args.drafter)
     torch_pair = open_torch_pair(args.bundle, args.drafter, device=args.device, dtype=args.torch_dtype)
     report = run_parity(
-        mlx_pair, torch_pair, prompts, max_tokens=max_tokens, block_size=args.block_size,
-        chat=not args.no_chat, source=str(args.bundle),
+        mlx_pair,
+        torch_pair,
+        prompts,
+        max_tokens=max_tokens,
+        block_size=args.block_size,
+        chat=not args.no_chat,
+        source=str(args.bundle),
         log=lambda line: print(line.splitlines()[0], file=sys.stderr, flush=True),
     )
     print(format_report(report))

@@ -79,8 +79,9 @@ def transformers_config(config: dict, where: Path):
         if model_type in W.MUSE_TYPES:
             from transformers import MuseGlimmerConfig
 
-            return MuseGlimmerConfig(text_config=cfg, vision_config=W.TINY_VISION, out_hidden_size=8,
-                                     projector_hidden_size=8)
+            return MuseGlimmerConfig(
+                text_config=cfg, vision_config=W.TINY_VISION, out_hidden_size=8, projector_hidden_size=8
+            )
         from transformers import AutoConfig
 
         return AutoConfig.for_model(model_type, **cfg)
@@ -151,7 +152,9 @@ def load_torch_drafter(path: Path, target: TorchTarget, dtype: torch.dtype) -> T
     kind = drafter_kind(path)
     if kind != "dflash":
         what = "a classic draft model (an autoregressive LM)" if kind == DRAFT_MODEL else f"a {kind} block drafter"
-        raise GlimmerError(f"{path}: the torch backend drafts with DFlash drafters only (this is {what}); use --backend mlx")
+        raise GlimmerError(
+            f"{path}: the torch backend drafts with DFlash drafters only (this is {what}); use --backend mlx"
+        )
     cfg = FAMILIES[kind].checked_config(path, target)
     quant = read_config_json(path, "drafter").get("quantization")
     raw = W.dequantize(DFlashModel.sanitize(read_weights(path, "drafter")), quant, path)
@@ -191,5 +194,13 @@ def load_torch(
     load = load_target_from_mlx if mlx_layout else load_target_from_transformers
     tgt = load(paths.target, config, dt, dev)
     d = load_torch_drafter(paths.drafter, tgt, dt) if paths.drafter is not None else None
-    return TorchPair(tgt, d, open_tokenizer(paths.target, config), paths.target, paths.drafter, dev, dt,
-                     "bundle" if mlx_layout else "transformers")
+    return TorchPair(
+        tgt,
+        d,
+        open_tokenizer(paths.target, config),
+        paths.target,
+        paths.drafter,
+        dev,
+        dt,
+        "bundle" if mlx_layout else "transformers",
+    )

@@ -146,10 +146,16 @@ def run_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | 
     from ..speculative import generate_steps
 
     drafter = pair.drafter if speculative else None
-    steps = list(generate_steps(
-        pair.target, ids, drafter=drafter, block_size=block_size or (drafter.block_size if drafter else 1),
-        max_tokens=max_tokens, stop_ids=pair.tokenizer.eos_token_ids,
-    ))
+    steps = list(
+        generate_steps(
+            pair.target,
+            ids,
+            drafter=drafter,
+            block_size=block_size or (drafter.block_size if drafter else 1),
+            max_tokens=max_tokens,
+            stop_ids=pair.tokenizer.eos_token_ids,
+        )
+    )
     return [t for step in steps for t in step.tokens], len(steps) - 1
 
 
@@ -167,8 +173,9 @@ def mlx_dtype(pair) -> str:
     return {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dt, "float32")
 
 
-def explain(runs: tuple[str, str], position: int, a: int, b: int, context: list[int], backends: dict, dtypes: dict,
-            detok) -> Divergence:
+def explain(
+    runs: tuple[str, str], position: int, a: int, b: int, context: list[int], backends: dict, dtypes: dict, detok
+) -> Divergence:
     """Both backends' logits at the common context decide whether (a, b) is a floating-point tie."""
     margin, gap, tol = {}, {}, {}
     dtype = coarser(*dtypes.values())
@@ -221,8 +228,17 @@ class ParityReport:
         return d
 
 
-def run_parity(mlx_pair, torch_pair, prompts, *, max_tokens: int = 128, block_size: int | None = None,
-               chat: bool = True, source: str = "", log=None) -> ParityReport:
+def run_parity(
+    mlx_pair,
+    torch_pair,
+    prompts,
+    *,
+    max_tokens: int = 128,
+    block_size: int | None = None,
+    chat: bool = True,
+    source: str = "",
+    log=None,
+) -> ParityReport:
     from .device import describe
 
     speculative = mlx_pair.drafter is not None and torch_pair.drafter is not None

@@ -10,8 +10,16 @@ import torch
 
 from ..sampling import SamplingParams
 
-__all__ = ["SamplingParams", "probabilities", "argmax", "sample", "greedy_verdict", "sampled_verdict", "accept_greedy",
-           "accept_sampled"]
+__all__ = [
+    "SamplingParams",
+    "probabilities",
+    "argmax",
+    "sample",
+    "greedy_verdict",
+    "sampled_verdict",
+    "accept_greedy",
+    "accept_sampled",
+]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

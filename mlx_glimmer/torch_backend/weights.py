@@ -20,10 +20,18 @@ from ..errors import GlimmerError
 
 MUSE_TYPES = ("muse_glimmer", "muse_glimmer_text")
 # Keys of an mlx-lm config.json that are not model settings for transformers.
-NOT_MODEL_KEYS = ("quantization", "quantization_config", "dtype", "torch_dtype", "transformers_version", "architectures")
+NOT_MODEL_KEYS = (
+    "quantization",
+    "quantization_config",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "architectures",
+)
 # The vision half of a MuseGlimmerConfig we never run: as small as the class accepts.
-TINY_VISION = dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
-                   pos_emb_height=2, pos_emb_width=2)
+TINY_VISION = dict(
+    num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1, pos_emb_height=2, pos_emb_width=2
+)
 VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.perception")
 
 
@@ -44,11 +52,17 @@ def dequantize(weights: dict[str, mx.array], quant: dict | None, where: Path) ->
             continue
         if leaf == "weight" and f"{module}.scales" in weights:
             if not quant:
-                raise GlimmerError(f"{where / 'config.json'}: {module} is quantized but there is no 'quantization' block")
+                raise GlimmerError(
+                    f"{where / 'config.json'}: {module} is quantized but there is no 'quantization' block"
+                )
             spec = _spec(quant, module)
             value = mx.dequantize(
-                value, weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"],
+                value,
+                weights[f"{module}.scales"],
+                weights.get(f"{module}.biases"),
+                group_size=spec["group_size"],
+                bits=spec["bits"],
+                mode=spec["mode"],
             )
         out[name] = value
     return out
@@ -64,7 +78,7 @@ def to_torch(value: mx.array, dtype: torch.dtype) -> torch.Tensor:
 def transformers_name(name: str, model_type: str) -> str:
     """mlx-lm's weight name -> transformers' (mlx-lm keeps transformers' names except Muse's text-tower prefix)."""
     if model_type in MUSE_TYPES and name.startswith("model."):
-        return "model.language_model." + name[len("model."):]
+        return "model.language_model." + name[len("model.") :]
     return name
 
 
@@ -89,7 +103,9 @@ def assign(model: nn.Module, state: dict[str, torch.Tensor], where: Path, option
     """Load `state` into a model built by `empty_parameters`; anything left unset must be `optional`."""
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
-        raise GlimmerError(f"{where}: weights transformers' {type(model).__name__} does not have: {sorted(unexpected)[:5]}")
+        raise GlimmerError(
+            f"{where}: weights transformers' {type(model).__name__} does not have: {sorted(unexpected)[:5]}"
+        )
     left = [n for n, p in model.named_parameters() if p.is_meta]
     bad = [n for n in left if not n.startswith(tuple(optional))]
     if bad:
