@@ -252,6 +252,7 @@ class WidthPolicy:
     _plain_rounds: int = 0
     _draft_rounds: int = 0
     _probing: bool = False
+    _draft_samples: int = 0  # drafting rounds whose time fed `draft_seconds` (observe_round)
 
     @property
     def max_width(self) -> int:
@@ -297,8 +298,10 @@ class WidthPolicy:
     def observe_round(self, width: int, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
         """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
         own (draft and verify run as one queued graph, so they cannot be timed apart without a second
-        sync). A drafting round's time beyond the verify estimate seeds `draft_seconds`; later rounds
-        scale the verify estimate and the draft estimate alike by how far the round missed their sum.
+        sync). A width-1 round refines the verify cost; a drafting round's time beyond the verify estimate
+        is its drafting cost (`draft_seconds`: the first such rounds averaged, then an exponential
+        average). Load only ever adds time, so a round cheaper than the estimate pulls it down at least
+        halfway: one slow first round (cold caches, other load) cannot keep drafting switched off.
         `timed` False: the time is not representative (the draft projected a long backlog of context,
         such as a prompt's): only the acceptance counts, so no estimate is seeded from it."""
         if width > 1:
@@ -307,14 +310,14 @@ class WidthPolicy:
             if width == 1:
                 self.cost.observe(1, context, seconds)
             else:
-                verify = self.cost.estimate(width, context)
+                residual = max(seconds - self.cost.estimate(width, context), 0.0)
+                self._draft_samples += 1
+                weight = 1.0 / self._draft_samples
                 if self.draft_seconds is None:
-                    self.draft_seconds = max(seconds - verify, 0.0)
+                    self.draft_seconds = residual
                 else:
-                    expected = verify + self.draft_seconds
-                    scale = seconds / expected if expected > 0 else 1.0
-                    self.cost.observe(width, context, verify * scale)
-                    self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * self.draft_seconds * scale
+                    weight = max(weight, 0.5 if residual < self.draft_seconds else 0.1)
+                    self.draft_seconds = (1 - weight) * self.draft_seconds + weight * residual
         self._judge_probe(width, context)
 
     def _judge_probe(self, width: int, context: int) -> None:
@@ -328,7 +331,13 @@ class WidthPolicy:
 def width_policy(max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None) -> WidthPolicy:
     """A policy for one generation; acceptance and drafter cost carry over from the pair's previous one."""
     if previous is not None and previous.max_width == max_width:
-        return WidthPolicy(cost, previous.acceptance, previous.draft_seconds, _interval=previous._interval)
+        return WidthPolicy(
+            cost,
+            previous.acceptance,
+            previous.draft_seconds,
+            _interval=previous._interval,
+            _draft_samples=previous._draft_samples,
+        )
     return WidthPolicy(cost, AcceptanceModel(max_width - 1))
 
 

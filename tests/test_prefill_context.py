@@ -4,6 +4,7 @@ import dataclasses
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
@@ -83,3 +84,19 @@ def test_a_round_that_projects_a_long_backlog_seeds_no_estimate():
     assert policy.acceptance.offered[0] == 1.0  # its acceptance still counts
     policy.observe_round(4, 3, 100, seconds=1.5)
     assert policy.draft_seconds == 1.5 - 1.3
+
+
+def test_one_slow_first_round_does_not_keep_drafting_off():
+    """Load only adds time: rounds cheaper than the draft estimate pull it down fast."""
+    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
+    policy = WidthPolicy(cost, AcceptanceModel(3))
+    policy.observe_round(4, 3, 100, seconds=1.3 + 20.0)  # a cold first round: 20 s of "drafting"
+    assert policy.draft_seconds == pytest.approx(20.0)
+    for _ in range(6):
+        policy.observe_round(4, 3, 100, seconds=1.3 + 0.2)
+    assert policy.draft_seconds < 0.6
+    assert policy.choose(100) > 1
+    for _ in range(50):  # and a spike later moves it only a little
+        policy.observe_round(4, 3, 100, seconds=1.5)
+    policy.observe_round(4, 3, 100, seconds=1.3 + 5.0)
+    assert policy.draft_seconds < 0.2 + 0.1 * 5.0 + 1e-9
