@@ -166,6 +166,20 @@ def quantizable(module) -> bool:
 # ---- layers ----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class SourceConfig(DrafterConfig):
+    """A family config written back as its source config.json was read (`raw`), with what the bound target
+    told us filled in: its format is the family's own, not the `muse_glimmer_assistant` one."""
+
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.raw)
+        d["vocab_size"] = self.vocab_size
+        d["num_target_layers"] = self.num_target_layers
+        return d
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()

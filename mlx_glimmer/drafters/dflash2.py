@@ -29,7 +29,7 @@ checkpoints name the codebooks without `.weight`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -44,7 +44,7 @@ from .base import (
     Attention,
     BlockContext,
     BlockDrafter,
-    DrafterConfig,
+    SourceConfig,
     load_block_model,
     make_rope,
     quantizable,
@@ -61,7 +61,7 @@ def _draft_value(raw: dict, name: str, default=None):
 
 
 @dataclass
-class DFlash2Config(DrafterConfig):
+class DFlash2Config(SourceConfig):
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
@@ -70,7 +70,6 @@ class DFlash2Config(DrafterConfig):
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     is_causal: bool | None = None
-    raw: dict = field(default_factory=dict, repr=False)
 
     NEEDS_VOCAB: ClassVar[bool] = True  # the selector's codebooks are vocabulary-sized
 
@@ -87,13 +86,6 @@ class DFlash2Config(DrafterConfig):
         cfg.is_causal = raw.get("is_causal")
         cfg.source_format = "dflash2"
         return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        """The source config.json, with what the bound target told us filled in."""
-        d = dict(self.raw)
-        d["vocab_size"] = self.vocab_size
-        d["num_target_layers"] = self.num_target_layers
-        return d
 
     def check(self, where: Path) -> None:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):

@@ -26,7 +26,7 @@ DeepSeek-V4 (`mtp.*`, MLA + MoE) and Gemma4 DSpark backbones are not read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,7 +39,7 @@ from .base import (
     BlockContext,
     BlockDrafter,
     DecoderLayer,
-    DrafterConfig,
+    SourceConfig,
     load_block_model,
     make_rope,
     quantizable,
@@ -51,13 +51,12 @@ UNSUPPORTED_BACKBONES = ("deepseek_v4", "gemma4", "gemma4_text")
 
 
 @dataclass
-class DSparkConfig(DrafterConfig):
+class DSparkConfig(SourceConfig):
     markov_rank: int = 256
     confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
     own_embeddings: bool = False
     own_head: bool = False
     confidence_bias: bool = True
-    raw: dict = field(default_factory=dict, repr=False)
 
     NEEDS_VOCAB: ClassVar[bool] = True  # the Markov head is vocabulary-sized
 
@@ -78,12 +77,6 @@ class DSparkConfig(DrafterConfig):
         out.context_reach = None
         out.source_format = "dspark"
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.raw)
-        d["vocab_size"] = self.vocab_size
-        d["num_target_layers"] = self.num_target_layers
-        return d
 
     def check(self, where: Path) -> None:
         if self.markov_rank < 1:
