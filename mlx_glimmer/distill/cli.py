@@ -92,6 +92,14 @@ def add_distill_parser(sub) -> None:
         f"(default {d.context_layers})",
     )
     p.add_argument(
+        "--context-scale",
+        choices=["raw", "channel"],
+        default=d.context_scale,
+        help="how `fc` sees the target's features while training: raw layer outputs, or each channel divided by "
+        "its RMS over the answers (folded back into `fc` on export, so the drafter reads raw features as "
+        f"always; evens out the few massive-activation channels) (default {d.context_scale})",
+    )
+    p.add_argument(
         "--steps",
         type=positive_int,
         default=d.steps,

@@ -164,6 +164,7 @@ def cmd_distill(args, open_pair) -> int:
         seed=args.seed,
         backend=pick_backend(args.train_backend, "--train-backend"),
         compile=not args.no_compile,
+        context_scale=args.context_scale,
     )
     source = None
     if (

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,6 +185,10 @@ class Trainer:
         self.to_draft[np.array(vocab)] = np.arange(len(vocab))
         self.drafter_config = drafter_config_for(target, config, mask_token_id, len(vocab))
         target.capture(tuple(self.drafter_config.target_layer_ids))
+        self.features = FeatureStore(
+            self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids, feature_source
+        )
+        self.feature_scale = self._feature_scale(config.context_scale)
         mx.random.seed(config.seed)
         self.model = DFlashModel(self.drafter_config)
         self.initialise(config.init)
@@ -193,9 +198,6 @@ class Trainer:
         self.embed = target.model.model.embed_tokens
         self.step = 0
         self.order: list[int] = []  # sequences left in this epoch
-        self.features = FeatureStore(
-            self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids, feature_source
-        )
         if config.backend == "mlx":
             self.step_fn: TrainStep = MLXStep(self.model, self.head, self.embed, config)
         elif config.backend == "torch":
@@ -206,6 +208,40 @@ class Trainer:
             )
         else:
             raise GlimmerError(f"backend: {config.backend!r} is neither 'mlx' nor 'torch'")
+
+    def _feature_scale(self, kind: str) -> np.ndarray | None:
+        """`context_scale` "channel": each feature channel's RMS over the answers' positions past the first of
+        up to 256 sequences (a seeded sample). The first position is left out: layer outputs there carry the
+        attention sink's massive activations (x1000 the rest in SmolLM2's middle layers). None for "raw"."""
+        if kind == "raw":
+            return None
+        if kind != "channel":
+            raise GlimmerError(f"context_scale: {kind!r} is neither 'raw' nor 'channel'")
+        self.features.ensure(self.log)
+        sample = np.random.default_rng(self.config.seed).permutation(len(self.sequences))[:256]
+        squares, count = np.zeros(self.features.width), 0
+        for i in sample:
+            x = self.features.get(int(i))[1:].astype(np.float32)
+            squares += (x * x).sum(0)
+            count += len(x)
+        return np.maximum(np.sqrt(squares / max(count, 1)), 1e-3).astype(np.float32)
+
+    def _scale_fc(self, factor: np.ndarray) -> None:
+        fc = self.model.encoder.fc
+        fc.weight = fc.weight * mx.array(factor)[None, :]
+
+    @contextmanager
+    def inference_weights(self):
+        """`self.model` with the weights inference uses: with `context_scale` "channel" the trained `fc` (on
+        features / scale) folded into one for raw features, and put back exactly afterwards."""
+        self.step_fn.sync()
+        kept = self.model.encoder.fc.weight
+        if self.feature_scale is not None:
+            self._scale_fc(1.0 / self.feature_scale)
+        try:
+            yield self.model
+        finally:
+            self.model.encoder.fc.weight = kept
 
     def initialise(self, init: str) -> None:
         if init == "random":
@@ -220,6 +256,8 @@ class Trainer:
             k: v.astype(mx.float32) for k, v in mx.load(str(path / "model.safetensors")).items() if k != "draft_vocab"
         }
         added = load_for_fine_tuning(self.model, saved, str(path))
+        if self.feature_scale is not None:
+            self._scale_fc(self.feature_scale)
         if added:
             print(
                 f"[init] {path}: {len(self.model.layers) - added} layers, grown to {len(self.model.layers)} by "
@@ -248,7 +286,9 @@ class Trainer:
         for r, i in enumerate(indices):
             seq, lp = np.array(self.sequences[i]), self.prompt_lens[i]
             T = len(seq)
-            ctx[r, :T] = self.features.get(i)
+            ctx[r, :T] = (
+                self.features.get(i) if self.feature_scale is None else self.features.get(i) / self.feature_scale
+            )
             candidates = np.arange(lp, T - 1)
             n = min(A, len(candidates))
             a = np.sort(rng.choice(candidates, size=n, replace=False))
@@ -319,15 +359,15 @@ class Trainer:
                 self._evaluate(evaluate)
 
     def _evaluate(self, evaluate) -> None:
-        self.step_fn.sync()
-        acc = evaluate(self)
+        with self.inference_weights():
+            acc = evaluate(self)
         print(f"[eval] step {self.step} held-out mean acceptance {acc:.3f}", file=self.log, flush=True)
         self.save(self.out_dir / f"step{self.step:06d}")
 
     def save(self, path: Path) -> None:
-        self.step_fn.sync()
         path.mkdir(parents=True, exist_ok=True)
-        weights = dict(tree_flatten(self.model.parameters()))
+        with self.inference_weights() as model:
+            weights = dict(tree_flatten(model.parameters()))
         weights["draft_vocab"] = self.draft_vocab
         mx.save_safetensors(str(path / "model.safetensors"), weights)
         (path / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
@@ -350,6 +390,8 @@ class Trainer:
                 f"resume with the same backend (or start a new --out)"
             )
         self.model.load_weights(str(path / "model.safetensors"), strict=False)
+        if self.feature_scale is not None:
+            self._scale_fc(self.feature_scale)
         self.step_fn.load_optimizer(path)
         self.step = meta["step"]
         self.order = meta["order"]

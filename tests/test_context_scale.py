@@ -1,0 +1,91 @@
+"""`context_scale` "channel": the drafter trains on features divided by each channel's RMS, and what it saves
+reads raw features exactly as the trained one read the scaled ones."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_glimmer.distill.train import TrainConfig, Trainer, block_forward, target_features
+from mlx_glimmer.drafters.dflash import DFlashModel
+from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.speculative import generate_steps
+
+
+@pytest.fixture(scope="module")
+def records(llama_pair):
+    out = []
+    for i in range(4):
+        prompt = [256] + list(f"prompt {i}: say".encode())
+        ans = [t for s in generate_steps(llama_pair.target, prompt, max_tokens=32) for t in s.tokens]
+        out.append({"index": i, "tag": "greedy", "prompt_ids": prompt, "response_ids": ans})
+    return out
+
+
+def trainer(llama_pair, records, where, **kw):
+    cfg = TrainConfig(
+        layers=1,
+        context_layers=3,
+        anchors=8,
+        steps=kw.pop("steps", 20),
+        warmup=2,
+        eval_every=10**9,
+        learning_rate=3e-3,
+        compile=False,
+        **kw,
+    )
+    return Trainer(llama_pair.target, records, cfg, where, mask_token_id=259)
+
+
+def block_inputs(tr, records):
+    seq = records[0]["prompt_ids"] + records[0]["response_ids"]
+    anchors = mx.array([len(records[0]["prompt_ids"]) + k for k in (0, 4, 11)])
+    ids = np.full((anchors.shape[0], tr.config.block_size), 259)
+    ids[:, 0] = [seq[int(a)] for a in anchors]
+    return tr.embed(mx.array(ids)), anchors, target_features(tr.target, seq).astype(mx.float32)
+
+
+def test_the_scale_is_each_channels_rms_past_the_first_position(llama_pair, records, tmp_path):
+    tr = trainer(llama_pair, records, tmp_path / "run", context_scale="channel")
+    rows = np.concatenate([tr.features.get(i)[1:].astype(np.float32) for i in range(len(records))])
+    np.testing.assert_allclose(tr.feature_scale, np.sqrt((rows**2).mean(0)), rtol=1e-4)
+    batch = tr.batch(0)
+    n = len(tr.sequences[0])
+    np.testing.assert_allclose(batch.ctx[0, :n], tr.features.get(0) / tr.feature_scale, rtol=2e-3)
+
+
+def test_the_saved_drafter_reads_raw_features_as_the_trained_one_read_scaled_ones(llama_pair, records, tmp_path):
+    tr = trainer(llama_pair, records, tmp_path / "run", context_scale="channel")
+    tr.train()
+    before = dict(tree_flatten(tr.model.parameters()))
+    tr.save(tmp_path / "saved")
+    after = dict(tree_flatten(tr.model.parameters()))
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before), "saving changed the trained weights"
+
+    saved = DFlashModel(tr.drafter_config)
+    saved.load_weights(str(tmp_path / "saved" / "model.safetensors"), strict=False)
+    noise, anchors, raw = block_inputs(tr, records)
+    trained = block_forward(tr.model, noise, anchors, raw / mx.array(tr.feature_scale), anchors)
+    exported = block_forward(saved, noise, anchors, raw, anchors)
+    np.testing.assert_allclose(np.asarray(exported), np.asarray(trained), atol=2e-4)
+    fc = tr.model.encoder.fc.weight
+    assert not mx.allclose(saved.encoder.fc.weight, fc).item(), (
+        "the export must hold the folded fc, not the trained one"
+    )
+
+
+def test_fine_tuning_a_raw_drafter_with_channel_scale_starts_where_it_was(llama_pair, records, tmp_path):
+    raw_tr = trainer(llama_pair, records, tmp_path / "raw", steps=5)
+    raw_tr.train()
+    raw_tr.save(tmp_path / "raw_drafter")
+    tr = trainer(llama_pair, records, tmp_path / "ft", context_scale="channel", init=str(tmp_path / "raw_drafter"))
+    noise, anchors, raw = block_inputs(tr, records)
+    scaled = block_forward(tr.model, noise, anchors, raw / mx.array(tr.feature_scale), anchors)
+    np.testing.assert_allclose(
+        np.asarray(scaled), np.asarray(block_forward(raw_tr.model, noise, anchors, raw, anchors)), atol=2e-4
+    )
+
+
+def test_an_unknown_scale_is_one_clear_error(llama_pair, records, tmp_path):
+    with pytest.raises(GlimmerError, match="context_scale"):
+        trainer(llama_pair, records, tmp_path / "run", context_scale="layer")
