@@ -246,6 +246,8 @@ DISTILL_EXAMPLES = [
     (["--temperatures", "0,nan"], "--temperatures"),
     (["--init", "/missing"], "--init /missing: neither 'random', 'target' nor a drafter directory"),
     (["--seed", "-1"], "argument --seed: must be in [0, 2**63)"),
+    (["--train-tags", "greedy,warm"], "--train-tags 'greedy,warm': tags are greedy, followup or t<temperature>"),
+    (["--context-scale", "layer"], "argument --context-scale: invalid choice: 'layer'"),
 ]
 
 

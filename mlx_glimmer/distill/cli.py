@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -90,6 +91,12 @@ def add_distill_parser(sub) -> None:
         default=d.context_layers,
         help=f"target layers feeding the drafter: 1, or up to the target's layer count - 3 "
         f"(default {d.context_layers})",
+    )
+    p.add_argument(
+        "--train-tags",
+        default=None,
+        help="train on the answers with these comma-separated tags only (greedy, t<T> for temperature T, "
+        "followup), features still computed for all (default: every answer)",
     )
     p.add_argument(
         "--context-scale",
@@ -200,6 +207,12 @@ def check_distill_flags(args) -> None:
         raise GlimmerError(f"distill: --out {out}: exists and is not a directory")
     if args.data_only and args.train_only:
         raise GlimmerError("distill: --data-only and --train-only exclude each other")
+    if args.train_tags is not None and not all(
+        t == "greedy" or t == "followup" or re.fullmatch(r"t\d+(\.\d+)?", t) for t in args.train_tags.split(",")
+    ):
+        raise GlimmerError(
+            f"distill: --train-tags {args.train_tags!r}: tags are greedy, followup or t<temperature>, comma-separated"
+        )
     for flag, name in ([("--prompts", args.prompts)] if args.prompts != "synth" else []) + [
         ("--heldout", args.heldout)
     ]:

@@ -38,6 +38,9 @@ class TrainConfig:
     backend: str = "mlx"  # "mlx" or "torch" (see TrainStep)
     compile: bool = True  # torch: torch.compile the step, once per context width before the first step (minutes)
     context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes, each compiled once
+    train_tags: tuple[str, ...] | None = (
+        None  # answers drawn for steps: these tags only (None: all); features cover all
+    )
     context_scale: str = "raw"  # "raw" or "channel": train `fc` on features divided by each channel's RMS
 
 

@@ -179,6 +179,10 @@ class Trainer:
         kept = [r for r in records if len(r["response_ids"]) >= 2]
         self.sequences = [r["prompt_ids"] + r["response_ids"] for r in kept]
         self.prompt_lens = [len(r["prompt_ids"]) for r in kept]
+        tags = config.train_tags
+        self.trained = None if tags is None else [i for i, r in enumerate(kept) if r.get("tag") in tags]
+        if self.trained == []:
+            raise GlimmerError(f"--train-tags {','.join(tags)}: no answer has one of these tags")
         vocab, self.vocab_coverage = draft_vocabulary(kept, mask_token_id, config.draft_vocab_size)
         self.draft_vocab = mx.array(vocab, dtype=mx.int32)
         self.to_draft = np.full(target.vocab_size, -1, dtype=np.int64)
@@ -302,9 +306,10 @@ class Trainer:
 
     def next_indices(self) -> list[int]:
         out = []
-        while len(out) < min(self.config.sequences_per_step, len(self.sequences)):
+        pool = len(self.sequences) if self.trained is None else self.trained
+        while len(out) < min(self.config.sequences_per_step, len(self.sequences if self.trained is None else pool)):
             if not self.order:
-                self.order = [int(i) for i in self.rng.permutation(len(self.sequences))]
+                self.order = [int(i) for i in self.rng.permutation(pool)]
             out.append(self.order.pop())
         return out
 

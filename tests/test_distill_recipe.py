@@ -1,5 +1,6 @@
-"""`context_scale` "channel": the drafter trains on features divided by each channel's RMS, and what it saves
-reads raw features exactly as the trained one read the scaled ones."""
+"""The recipe's options: `context_scale` "channel" (the drafter trains on features divided by each channel's
+RMS, and what it saves reads raw features exactly as the trained one read the scaled ones) and `train_tags`
+(steps draw only answers with those tags, the features cover all)."""
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +19,7 @@ def records(llama_pair):
     for i in range(4):
         prompt = [256] + list(f"prompt {i}: say".encode())
         ans = [t for s in generate_steps(llama_pair.target, prompt, max_tokens=32) for t in s.tokens]
-        out.append({"index": i, "tag": "greedy", "prompt_ids": prompt, "response_ids": ans})
+        out.append({"index": i, "tag": "greedy" if i % 2 else "t0.8", "prompt_ids": prompt, "response_ids": ans})
     return out
 
 
@@ -89,3 +90,15 @@ def test_fine_tuning_a_raw_drafter_with_channel_scale_starts_where_it_was(llama_
 def test_an_unknown_scale_is_one_clear_error(llama_pair, records, tmp_path):
     with pytest.raises(GlimmerError, match="context_scale"):
         trainer(llama_pair, records, tmp_path / "run", context_scale="layer")
+
+
+def test_steps_draw_only_the_answers_with_the_chosen_tags(llama_pair, records, tmp_path):
+    tr = trainer(llama_pair, records, tmp_path / "run", train_tags=("greedy",), sequences_per_step=3)
+    drawn = {i for _ in range(10) for i in tr.next_indices()}
+    assert drawn == {i for i, r in enumerate(records) if r["tag"] == "greedy"}
+    assert len(tr.features.lengths) == len(records)  # one feature store for every answer, whatever is trained
+
+
+def test_tags_no_answer_has_are_one_clear_error(llama_pair, records, tmp_path):
+    with pytest.raises(GlimmerError, match="--train-tags followup"):
+        trainer(llama_pair, records, tmp_path / "run", train_tags=("followup",))
