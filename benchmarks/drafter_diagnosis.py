@@ -98,6 +98,11 @@ def parse_args(argv=None):
     )
     ap.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'bd' (default abcd)")
     ap.add_argument(
+        "--no-f32-variant",
+        action="store_true",
+        help="(b): only the training forward's own variant, not also the MLX forward on float32 MLX features",
+    )
+    ap.add_argument(
         "--cache", default=str(CACHE), help="where answers and feature stores are kept (default runs/drafter_diagnosis)"
     )
     return ap.parse_args(argv)
@@ -696,7 +701,7 @@ def main(argv=None) -> int:
 
     if "b" in args.parts:
         variants = [(forward, features, "b_heldout_teacher_forced")]
-        if (forward, features) != ("mlx", "mlx"):
+        if (forward, features) != ("mlx", "mlx") and not args.no_f32_variant:
             variants.append(("mlx", "mlx", "b_heldout_teacher_forced_mlx_f32"))
         for fw, ft, name in variants:
             tic = time.perf_counter()

@@ -1,0 +1,184 @@
+"""Drafter recipe ablations at an equal budget of supervised block positions: one row per arm.
+
+    python benchmarks/drafter_ablation.py [ARM ...] [--budget 3840000] [--accept-prompts 8]
+        [--out benchmarks/results/drafter_ablation.json]
+
+Every arm trains a demo drafter with `mlx-glimmer distill --train-only` on the same answers
+(benchmarks/distill/demo2, unpacked into runs/demo2/data per its README) and the same target features
+(runs/demo2/features, shared by links), from the same seed, for the same nominal number of supervised
+block positions: steps x answers per step x anchors x (block - 1), so an arm with 4x the anchors runs
+a quarter of the steps. Nothing is selected during training (one evaluation, at the end, which
+`distill` exports). Then, for the exported drafter:
+
+- held-out teacher-forced accuracy per block position on the target's greedy answers to all 75
+  held-out prompts (`drafter_diagnosis.py --parts b`: the training step's own forward, cheap and
+  deterministic: the screening measure), and the held-out loss;
+- real acceptance (`drafter_diagnosis.py --parts c`, block 16, greedy, 128 tokens) on the first
+  `--accept-prompts` held-out prompts (the full 75 for finalists), outputs checked against plain greedy;
+- the training loss (mean of the last 100 steps' progress lines).
+
+Each arm's run directory is runs/ablation/ARM-BUDGET; each arm's results are
+benchmarks/results/ablation/ARM-BUDGET_{heldout_tf,acceptance}.json; the summary (one row per arm, with
+the commands that wrote them) is `--out`. Re-running skips what is done (training resumes from its
+checkpoint). Runs one arm at a time: the machine's cores are the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "runs" / "demo2"
+RESULTS = ROOT / "benchmarks" / "results" / "ablation"
+
+# The shipped drafter's recipe (benchmarks/distill/demo2/README.md), from random init, on all the answers.
+BASE = [
+    "--prompts", "synth", "--self-instruct", "128", "--follow-ups", "1500", "--temperatures", "0,0.8",
+    "--answer-tokens", "256", "--layers", "2", "--sequences-per-step", "4", "--anchors", "64",
+    "--draft-vocab", "8192", "--train-backend", "torch", "--init", "random", "--train-only",
+    "--eval-prompts", "4", "--eval-tokens", "96",
+]  # fmt: skip
+
+ARMS = {
+    "scratch": ([], "the shipped recipe from random init on all 1.5M tokens"),
+    "channel": (["--context-scale", "channel"], "fc trained on features / per-channel RMS"),
+    "layers4": (["--layers", "4"], "4 drafter layers instead of 2"),
+    "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
+    "lr2x": (["--lr", "1.2e-3"], "peak learning rate 1.2e-3 instead of 6e-4"),
+    "anchors256": (["--anchors", "256"], "256 blocks per answer per step instead of 64 (a quarter of the steps)"),
+}
+
+
+def flag(flags: list[str], name: str, default: str) -> str:
+    """The last value of `name` in `flags` (arm flags override the base), else `default`."""
+    values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == name]
+    return values[-1] if values else default
+
+
+def run_dir(name: str, budget: int) -> Path:
+    out = ROOT / "runs" / "ablation" / f"{name}-{budget // 1000}k"
+    out.mkdir(parents=True, exist_ok=True)
+    for link in ("data", "features"):
+        if not (out / link).exists():
+            os.symlink(DATA / link, out / link)
+    return out
+
+
+def run(cmd: list[str], log: Path) -> None:
+    print(f"[ablation] {' '.join(cmd)}", file=sys.stderr, flush=True)
+    with log.open("a") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log.relative_to(ROOT)}")
+
+
+def train_loss(log: Path) -> float | None:
+    """Mean of the last 4 progress lines' losses (each the mean of 25 steps)."""
+    losses = [float(m) for m in re.findall(r"\[train\] step \d+/\d+ loss ([0-9.]+)", log.read_text())]
+    return round(sum(losses[-4:]) / len(losses[-4:]), 4) if losses else None
+
+
+def arm(name: str, budget: int, accept_prompts: int) -> dict:
+    extra, what = ARMS[name]
+    flags = BASE + extra
+    per_step = int(flag(flags, "--sequences-per-step", "4")) * int(flag(flags, "--anchors", "64")) * 15
+    steps = max(1, round(budget / per_step))
+    out = run_dir(name, budget)
+    tag = out.name
+    distill = [
+        str(Path(sys.executable).parent / "mlx-glimmer"), "distill", "--out", str(out.relative_to(ROOT)),
+        *flags, "--steps", str(steps), "--eval-every", str(steps),
+    ]  # fmt: skip
+    log = out / "train.log"
+    if not (out / "drafter" / "model.safetensors").is_file():
+        tic = time.perf_counter()
+        run(distill, log)
+        (out / "train_seconds.txt").write_text(f"{time.perf_counter() - tic:.0f}\n")
+    diagnosis = [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(out.relative_to(ROOT) / "drafter")]
+    tf_path, acc_path = RESULTS / f"{tag}_heldout_tf.json", RESULTS / f"{tag}_acceptance.json"
+    tf_cmd = [
+        *diagnosis,
+        "--parts",
+        "b",
+        "--no-f32-variant",
+        "--prompts",
+        "75",
+        "--out",
+        str(tf_path.relative_to(ROOT)),
+    ]
+    acc_cmd = [*diagnosis, "--parts", "c", "--prompts", str(accept_prompts), "--out", str(acc_path.relative_to(ROOT))]
+    for cmd, path in ((tf_cmd, tf_path), (acc_cmd, acc_path)):
+        if not path.is_file():
+            run(cmd, out / "diagnosis.log")
+    tf = json.loads(tf_path.read_text())["b_heldout_teacher_forced"]
+    acc = json.loads(acc_path.read_text())["c_speculative"]
+    train_log = json.loads((out / "log.json").read_text())
+    return {
+        "arm": name,
+        "what": what,
+        "flags": extra,
+        "steps": steps,
+        "nominal_block_positions": steps * per_step,
+        "train_loss": train_loss(log),
+        "heldout_loss": round(tf["loss"], 4),
+        "heldout_tf_accuracy": tf["accuracy"],
+        "heldout_tf_prefix": tf["prefix"],
+        "acceptance_prompts": acc["prompts"],
+        "tokens_per_forward": acc["tokens_per_forward"],
+        "first_draft_accepted": acc["conditional_acceptance"][0],
+        "outputs_equal_plain_greedy": f"{acc['outputs_equal_plain_greedy']}/{acc['prompts']}",
+        "distill_eval": train_log["exported"],
+        "train_seconds": int((out / "train_seconds.txt").read_text())
+        if (out / "train_seconds.txt").is_file()
+        else None,
+        "commands": {
+            "train": " ".join(["mlx-glimmer", *distill[1:]]),
+            "heldout_tf": " ".join(["python", *tf_cmd[1:]]),
+            "acceptance": " ".join(["python", *acc_cmd[1:]]),
+        },
+        "results": [str(tf_path.relative_to(ROOT)), str(acc_path.relative_to(ROOT))],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "arms", nargs="*", default=list(ARMS), help=f"arms to run, in order (default all: {', '.join(ARMS)})"
+    )
+    ap.add_argument("--budget", type=int, default=3_840_000, help="nominal supervised block positions per arm")
+    ap.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for real acceptance (default 8)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drafter_ablation.json"))
+    args = ap.parse_args(argv)
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
+    if not (DATA / "data" / "responses.jsonl").is_file():
+        raise SystemExit("runs/demo2/data/responses.jsonl missing: unpack benchmarks/distill/demo2 (see its README)")
+    (DATA / "features").mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    summary = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    for name in args.arms:
+        row = arm(name, args.budget, args.accept_prompts)
+        summary["rows"] = [r for r in summary["rows"] if (r["arm"], r["steps"]) != (name, row["steps"])] + [row]
+        summary["command"] = "python benchmarks/drafter_ablation.py " + " ".join(sys.argv[1:])
+        out.write_text(json.dumps(summary, indent=2))
+        print(
+            f"[ablation] {name}: held-out TF pos1 {row['heldout_tf_accuracy'][0]:.3f}, tokens/forward "
+            f"{row['tokens_per_forward']:.3f} ({row['acceptance_prompts']} prompts), loss train {row['train_loss']} "
+            f"held-out {row['heldout_loss']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
