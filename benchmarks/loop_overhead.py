@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         "block_size": args.block_size,
         "tokens": args.tokens,
         "prompt": PROMPT,
-        "trees": {"old": f"{args.old} ({trees['old']})", "new": args.new or f"working tree ({ROOT})"},
+        "trees": {"old": args.old, "new": args.new or "working tree"},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
