@@ -46,7 +46,9 @@ BASE = [
     "--eval-prompts", "4", "--eval-tokens", "96",
 ]  # fmt: skip
 
+SHIPPED = ROOT / "mlx_glimmer" / "data" / "demo_drafter"
 ARMS = {
+    "chain": (None, "the shipped drafter: a chain of fine-tunes from a 38k-token drafter (not trained here)"),
     "scratch": ([], "the shipped recipe from random init on all 1.5M tokens"),
     "channel": (["--context-scale", "channel"], "fc trained on features / per-channel RMS"),
     "layers4": (["--layers", "4"], "4 drafter layers instead of 2"),
@@ -87,6 +89,8 @@ def train_loss(log: Path) -> float | None:
 
 def arm(name: str, budget: int, accept_prompts: int) -> dict:
     extra, what = ARMS[name]
+    if extra is None:
+        return reference(name, what, accept_prompts)
     flags = BASE + extra
     per_step = int(flag(flags, "--sequences-per-step", "4")) * int(flag(flags, "--anchors", "64")) * 15
     steps = max(1, round(budget / per_step))
@@ -101,7 +105,28 @@ def arm(name: str, budget: int, accept_prompts: int) -> dict:
         tic = time.perf_counter()
         run(distill, log)
         (out / "train_seconds.txt").write_text(f"{time.perf_counter() - tic:.0f}\n")
-    diagnosis = [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(out.relative_to(ROOT) / "drafter")]
+    tf, acc, where = diagnose(out / "drafter", tag, accept_prompts, out / "diagnosis.log")
+    train_log = json.loads((out / "log.json").read_text())
+    return {
+        "arm": name,
+        "what": what,
+        "flags": extra,
+        "steps": steps,
+        "nominal_block_positions": steps * per_step,
+        "train_loss": train_loss(log),
+        **measures(tf, acc),
+        "distill_eval": train_log["exported"],
+        "train_seconds": int((out / "train_seconds.txt").read_text())
+        if (out / "train_seconds.txt").is_file()
+        else None,
+        "commands": {"train": " ".join(["mlx-glimmer", *distill[1:]]), **where["commands"]},
+        "results": where["results"],
+    }
+
+
+def diagnose(drafter: Path, tag: str, accept_prompts: int, log: Path) -> tuple[dict, dict, dict]:
+    """Held-out teacher-forced accuracy (all 75 prompts) and real acceptance (the first `accept_prompts`)."""
+    diagnosis = [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT))]
     tf_path, acc_path = RESULTS / f"{tag}_heldout_tf.json", RESULTS / f"{tag}_acceptance.json"
     tf_cmd = [
         *diagnosis,
@@ -116,17 +141,15 @@ def arm(name: str, budget: int, accept_prompts: int) -> dict:
     acc_cmd = [*diagnosis, "--parts", "c", "--prompts", str(accept_prompts), "--out", str(acc_path.relative_to(ROOT))]
     for cmd, path in ((tf_cmd, tf_path), (acc_cmd, acc_path)):
         if not path.is_file():
-            run(cmd, out / "diagnosis.log")
+            run(cmd, log)
+    commands = {"heldout_tf": " ".join(["python", *tf_cmd[1:]]), "acceptance": " ".join(["python", *acc_cmd[1:]])}
     tf = json.loads(tf_path.read_text())["b_heldout_teacher_forced"]
     acc = json.loads(acc_path.read_text())["c_speculative"]
-    train_log = json.loads((out / "log.json").read_text())
+    return tf, acc, {"commands": commands, "results": [str(tf_path.relative_to(ROOT)), str(acc_path.relative_to(ROOT))]}
+
+
+def measures(tf: dict, acc: dict) -> dict:
     return {
-        "arm": name,
-        "what": what,
-        "flags": extra,
-        "steps": steps,
-        "nominal_block_positions": steps * per_step,
-        "train_loss": train_loss(log),
         "heldout_loss": round(tf["loss"], 4),
         "heldout_tf_accuracy": tf["accuracy"],
         "heldout_tf_prefix": tf["prefix"],
@@ -134,17 +157,14 @@ def arm(name: str, budget: int, accept_prompts: int) -> dict:
         "tokens_per_forward": acc["tokens_per_forward"],
         "first_draft_accepted": acc["conditional_acceptance"][0],
         "outputs_equal_plain_greedy": f"{acc['outputs_equal_plain_greedy']}/{acc['prompts']}",
-        "distill_eval": train_log["exported"],
-        "train_seconds": int((out / "train_seconds.txt").read_text())
-        if (out / "train_seconds.txt").is_file()
-        else None,
-        "commands": {
-            "train": " ".join(["mlx-glimmer", *distill[1:]]),
-            "heldout_tf": " ".join(["python", *tf_cmd[1:]]),
-            "acceptance": " ".join(["python", *acc_cmd[1:]]),
-        },
-        "results": [str(tf_path.relative_to(ROOT)), str(acc_path.relative_to(ROOT))],
     }
+
+
+def reference(name: str, what: str, accept_prompts: int) -> dict:
+    log = ROOT / "runs" / "ablation" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tf, acc, where = diagnose(SHIPPED, name, accept_prompts, log)
+    return {"arm": name, "what": what, "flags": None, "steps": None, **measures(tf, acc), **where}
 
 
 def main(argv=None) -> int:
@@ -170,9 +190,10 @@ def main(argv=None) -> int:
         summary["rows"] = [r for r in summary["rows"] if (r["arm"], r["steps"]) != (name, row["steps"])] + [row]
         summary["command"] = "python benchmarks/drafter_ablation.py " + " ".join(sys.argv[1:])
         out.write_text(json.dumps(summary, indent=2))
+        train_loss_shown = row.get("train_loss")
         print(
             f"[ablation] {name}: held-out TF pos1 {row['heldout_tf_accuracy'][0]:.3f}, tokens/forward "
-            f"{row['tokens_per_forward']:.3f} ({row['acceptance_prompts']} prompts), loss train {row['train_loss']} "
+            f"{row['tokens_per_forward']:.3f} ({row['acceptance_prompts']} prompts), loss train {train_loss_shown} "
             f"held-out {row['heldout_loss']}",
             file=sys.stderr,
             flush=True,
