@@ -65,6 +65,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def unit_float(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
+    return value
+
+
+unit_float.__name__ = "float"
+
+
 def block_size_arg(text: str) -> int | str:
     return AUTO if text == AUTO else positive_int(text)
 

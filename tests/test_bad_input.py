@@ -248,6 +248,8 @@ DISTILL_EXAMPLES = [
     (["--seed", "-1"], "argument --seed: must be in [0, 2**63)"),
     (["--train-tags", "greedy,warm"], "--train-tags 'greedy,warm': tags are greedy, followup or t<temperature>"),
     (["--context-scale", "layer"], "argument --context-scale: invalid choice: 'layer'"),
+    (["--soft-labels", "1.5"], "argument --soft-labels: must be a number in [0, 1], got 1.5"),
+    (["--soft-labels", "nan"], "argument --soft-labels: must be a number in [0, 1], got nan"),
 ]
 
 

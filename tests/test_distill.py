@@ -212,6 +212,8 @@ def test_torch_features_match_the_mlx_targets(llama_pair, records, tmp_path):
     torch_source = TorchFeatures(llama_pair.target_path, batch_tokens=300, dtype="float32")  # same weights, same layers
     mlx_source.capture(layers)
     torch_source.capture(layers)
-    for a, b in zip(mlx_source(sequences), torch_source(sequences)):
+    for (a, final_a), (b, final_b) in zip(mlx_source(sequences), torch_source(sequences)):
         assert a.shape == b.shape == (a.shape[0], 3 * llama_pair.target.hidden_size)
         np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), atol=1e-2, rtol=1e-3)
+        assert final_a.shape == final_b.shape == (a.shape[0], llama_pair.target.hidden_size)
+        np.testing.assert_allclose(final_b.astype(np.float32), final_a.astype(np.float32), atol=1e-2, rtol=1e-3)

@@ -1,6 +1,7 @@
 """The recipe's options: `context_scale` "channel" (the drafter trains on features divided by each channel's
-RMS, and what it saves reads raw features exactly as the trained one read the scaled ones) and `train_tags`
-(steps draw only answers with those tags, the features cover all)."""
+RMS, and what it saves reads raw features exactly as the trained one read the scaled ones), `train_tags`
+(steps draw only answers with those tags, the features cover all) and `soft_labels` (each label mixes the
+answer's token with the target's own next-token distribution, from its stored final hidden states)."""
 
 import mlx.core as mx
 import numpy as np
@@ -102,3 +103,75 @@ def test_steps_draw_only_the_answers_with_the_chosen_tags(llama_pair, records, t
 def test_tags_no_answer_has_are_one_clear_error(llama_pair, records, tmp_path):
     with pytest.raises(GlimmerError, match="--train-tags followup"):
         trainer(llama_pair, records, tmp_path / "run", train_tags=("followup",))
+
+
+def test_soft_labels_read_the_final_hidden_state_that_predicted_each_label(llama_pair, records, tmp_path):
+    tr = trainer(llama_pair, records, tmp_path / "run", soft_labels=0.5)
+    tr.features.ensure()
+    greedy = 1  # records[1] is a greedy answer: each label is the target's argmax
+    seq = records[greedy]["prompt_ids"] + records[greedy]["response_ids"]
+    cache = llama_pair.target.make_cache(reserve=1)
+    hidden, _ = llama_pair.target.forward(mx.array(seq, dtype=mx.uint32), cache, False)
+    np.testing.assert_allclose(tr.features.final_hidden(greedy), np.asarray(hidden), atol=2e-2, rtol=1e-2)
+    batch = tr.batch(greedy)
+    head = np.asarray(tr.head.astype(mx.float32))
+    for j in range(3):
+        a = int(batch.anchors[0, j])
+        assert (batch.teacher[0, j, 0].astype(np.float32) @ head.T).argmax() == batch.labels[0, j, 0]
+        np.testing.assert_array_equal(batch.teacher[0, j, 0], tr.features.final_hidden(greedy)[a])
+
+
+def soft_cross_entropy(logits, labels, teacher_logits, soft, weights):
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    q = np.exp(teacher_logits - teacher_logits.max(-1, keepdims=True))
+    q = soft * q / q.sum(-1, keepdims=True)
+    q[np.arange(len(labels)), labels] += 1 - soft
+    return float(((lse - (q * logits).sum(-1)) * weights).sum())
+
+
+@pytest.mark.parametrize("soft", [0.0, 0.3, 1.0])
+def test_the_fused_soft_label_loss_and_gradient_are_the_plain_formula(soft):
+    torch = pytest.importorskip("torch")
+    from mlx_glimmer.distill.torch_step import HeadCrossEntropy
+
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(200, 16, generator=gen, requires_grad=True)
+    head, teacher = torch.randn(500, 16, generator=gen), torch.randn(200, 16, generator=gen)
+    labels, weights = torch.randint(0, 500, (200,), generator=gen), torch.rand(200, generator=gen)
+    fused = HeadCrossEntropy.apply(h, head, labels, weights, 64, teacher, soft)  # 4 chunks, the last partial
+    fused.backward()
+    plain = soft_cross_entropy(
+        (h @ head.T).detach().numpy(), labels.numpy(), (teacher @ head.T).numpy(), soft, weights.numpy()
+    )
+    np.testing.assert_allclose(float(fused.detach()), plain, rtol=1e-5)
+    hh = h.detach().clone().requires_grad_()
+    z, y = hh @ head.T, torch.nn.functional.one_hot(labels, 500).float()
+    q = (1 - soft) * y + soft * torch.softmax(teacher @ head.T, -1)
+    ((torch.logsumexp(z, -1) - (q * z).sum(-1)) * weights).sum().backward()
+    torch.testing.assert_close(h.grad, hh.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_mlx_and_torch_steps_agree_on_the_soft_label_loss(llama_pair, records, tmp_path):
+    pytest.importorskip("transformers")
+    mlx_tr = trainer(llama_pair, records, tmp_path / "m", soft_labels=0.5, sequences_per_step=2)
+    torch_tr = trainer(llama_pair, records, tmp_path / "t", soft_labels=0.5, sequences_per_step=2, backend="torch")
+    torch_tr.step_fn.autocast = False
+    batch = mlx_tr.batch([0, 1])
+    hard = trainer(llama_pair, records, tmp_path / "h", sequences_per_step=2).step_fn.loss(batch)
+    soft = mlx_tr.step_fn.loss(batch)
+    np.testing.assert_allclose(torch_tr.step_fn.loss(batch), soft, rtol=1e-4)
+    assert abs(soft - hard) > 1e-3  # the target's distribution is not one-hot: the soft loss is another loss
+
+
+def test_a_store_without_final_hidden_states_is_recomputed_for_soft_labels_and_kept_after(
+    llama_pair, records, tmp_path
+):
+    trainer(llama_pair, records, tmp_path / "run").features.ensure()
+    features = tmp_path / "run" / "features"
+    assert not (features / "teacher.f16").exists()
+    soft = trainer(llama_pair, records, tmp_path / "run", soft_labels=1.0)
+    assert soft.features.done == 0 and soft.features.teacher
+    soft.features.ensure()
+    assert (features / "teacher.f16").is_file()
+    again = trainer(llama_pair, records, tmp_path / "run")  # hard labels: the store serves it as it is
+    assert again.features.done == len(records) and again.features.teacher

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import GlimmerError
 from ..files import check_model_dir, pair_paths, read_config_json
-from ..flags import nonnegative_int, positive_float, positive_int, seed_arg
+from ..flags import nonnegative_int, positive_float, positive_int, seed_arg, unit_float
 from ..paths import DATA_DIR
 from .step import TrainConfig
 
@@ -97,6 +97,14 @@ def add_distill_parser(sub) -> None:
         default=None,
         help="train on the answers with these comma-separated tags only (greedy, t<T> for temperature T, "
         "followup), features still computed for all (default: every answer)",
+    )
+    p.add_argument(
+        "--soft-labels",
+        type=unit_float,
+        default=d.soft_labels,
+        help="weight of the target's own next-token distribution in each label, 0 to 1: 0 trains on the "
+        "answer's tokens only, 1 on the distribution only (KL to the target); > 0 stores the target's final "
+        f"hidden states beside the features (one more hidden size of float16 per token) (default {d.soft_labels:g})",
     )
     p.add_argument(
         "--context-scale",

@@ -165,6 +165,7 @@ def cmd_distill(args, open_pair) -> int:
         backend=pick_backend(args.train_backend, "--train-backend"),
         compile=not args.no_compile,
         context_scale=args.context_scale,
+        soft_labels=args.soft_labels,
         train_tags=tuple(args.train_tags.split(",")) if args.train_tags else None,
     )
     source = None

@@ -41,6 +41,7 @@ class TrainConfig:
     train_tags: tuple[str, ...] | None = (
         None  # answers drawn for steps: these tags only (None: all); features cover all
     )
+    soft_labels: float = 0.0  # weight of the target's next-token distribution in each label; 0: the answer's token
     context_scale: str = "raw"  # "raw" or "channel": train `fc` on features divided by each channel's RMS
 
 
@@ -63,6 +64,7 @@ class Batch:
     anchors: np.ndarray  # [S, A] position of each block's anchor
     labels: np.ndarray  # [S, A, B-1] draft-vocabulary ids of the target's next B-1 tokens (0 where not valid)
     valid: np.ndarray  # [S, A, B-1] float32, 1 where supervised
+    teacher: np.ndarray | None = None  # [S, A, B-1, H] float16 final hidden states predicting each label (soft labels)
 
     @property
     def positions(self) -> float:

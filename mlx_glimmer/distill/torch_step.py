@@ -68,10 +68,12 @@ def block_attention(module, query, key, value, attention_mask, scaling, dropout=
 
 class HeadCrossEntropy(torch.autograd.Function):
     """sum_i weights[i] * cross_entropy(h[i] @ head.T, labels[i]); h [N, H], head [Vd, H] frozen, labels and
-    weights [N]. The gradient for h is computed in the forward, chunk by chunk, so the logits are never kept."""
+    weights [N]. With `teacher` [N, H] and `soft` > 0 the label is the distribution (1 - soft) * one-hot +
+    soft * softmax(teacher[i] @ head.T). The gradient for h is computed in the forward, chunk by chunk, so the
+    logits are never kept."""
 
     @staticmethod
-    def forward(ctx, h, head, labels, weights, chunk):
+    def forward(ctx, h, head, labels, weights, chunk, teacher=None, soft=0.0):
         loss = torch.zeros((), dtype=torch.float32)
         grad = torch.empty(h.shape, dtype=torch.float32)
         for s in range(0, h.shape[0], chunk):
@@ -79,9 +81,18 @@ class HeadCrossEntropy(torch.autograd.Function):
             logits = (h[rows].to(head.dtype) @ head.T).float()
             lse = torch.logsumexp(logits, dim=-1)
             y, w = labels[rows, None], weights[rows]
-            loss += ((lse - logits.gather(1, y)[:, 0]) * w).sum()
+            if teacher is not None and soft:
+                q = torch.softmax((teacher[rows].to(head.dtype) @ head.T).float(), dim=-1).mul_(soft)
+                q.scatter_add_(1, y, torch.full(y.shape, 1.0 - soft))
+                loss += ((lse - (q * logits).sum(-1)) * w).sum()
+            else:
+                q = None
+                loss += ((lse - logits.gather(1, y)[:, 0]) * w).sum()
             p = logits.sub_(lse[:, None]).exp_()  # softmax
-            p.scatter_add_(1, y, torch.full(y.shape, -1.0))
+            if q is None:
+                p.scatter_add_(1, y, torch.full(y.shape, -1.0))
+            else:
+                p.sub_(q)
             grad[rows] = (p.mul_(w[:, None]).to(head.dtype) @ head).float()
         ctx.save_for_backward(grad)
         ctx.h_dtype = h.dtype
@@ -90,14 +101,19 @@ class HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return (grad * g).to(ctx.h_dtype), None, None, None, None
+        return (grad * g).to(ctx.h_dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(
-    h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    h: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher: torch.Tensor | None = None,
+    soft: float = 0.0,
 ) -> torch.Tensor:
     chunk = max(16, (1 << 21) // head.shape[0])  # ~8 MB of float32 logits per chunk (256 rows of an 8k head)
-    return HeadCrossEntropy.apply(h, head, labels, weights, chunk)
+    return HeadCrossEntropy.apply(h, head, labels, weights, chunk, teacher, soft)
 
 
 def _register() -> None:
@@ -166,8 +182,14 @@ class TorchStep:
         h = self.forward(noise, context, position_ids, mask).reshape(S, A, B, -1)[:, :, 1:]  # [S, A, B-1, H]
         w = (self.position_weights * torch.from_numpy(batch.valid)).flatten()
         head = self.head_bf16 if self.autocast else self.head
+        teacher = None if batch.teacher is None else torch.from_numpy(batch.teacher).flatten(0, 2)
         return head_cross_entropy(
-            h.flatten(0, 2), head, torch.from_numpy(batch.labels).flatten(), w / w.sum().clamp(min=1.0)
+            h.flatten(0, 2),
+            head,
+            torch.from_numpy(batch.labels).flatten(),
+            w / w.sum().clamp(min=1.0),
+            teacher,
+            self.config.soft_labels,
         )
 
     def _forward(self, noise, context, position_ids, mask) -> torch.Tensor:

@@ -189,8 +189,15 @@ class Trainer:
         self.to_draft[np.array(vocab)] = np.arange(len(vocab))
         self.drafter_config = drafter_config_for(target, config, mask_token_id, len(vocab))
         target.capture(tuple(self.drafter_config.target_layer_ids))
+        if not 0.0 <= config.soft_labels <= 1.0:
+            raise GlimmerError(f"soft_labels: {config.soft_labels} is not in [0, 1]")
         self.features = FeatureStore(
-            self.out_dir / "features", target, self.sequences, self.drafter_config.target_layer_ids, feature_source
+            self.out_dir / "features",
+            target,
+            self.sequences,
+            self.drafter_config.target_layer_ids,
+            feature_source,
+            teacher=config.soft_labels > 0,
         )
         self.feature_scale = self._feature_scale(config.context_scale)
         mx.random.seed(config.seed)
@@ -287,6 +294,8 @@ class Trainer:
         anchors = np.zeros((len(indices), A), dtype=np.int64)
         labels = np.zeros((len(indices), A, B - 1), dtype=np.int64)
         valid = np.zeros((len(indices), A, B - 1), dtype=np.float32)
+        soft = self.config.soft_labels > 0
+        teacher = np.zeros((len(indices), A, B - 1, self.target.hidden_size), dtype=np.float16) if soft else None
         for r, i in enumerate(indices):
             seq, lp = np.array(self.sequences[i]), self.prompt_lens[i]
             T = len(seq)
@@ -302,7 +311,9 @@ class Trainer:
             lab = self.to_draft[np.concatenate([seq, np.zeros(B, dtype=seq.dtype)])[label_pos]]
             labels[r, :n] = np.maximum(lab, 0)
             valid[r, :n] = (label_pos < T) & (lab >= 0)
-        return Batch(ctx, block_ids, anchors, labels, valid)
+            if soft:  # the target's hidden state at p - 1 is what predicted the token at p
+                teacher[r, :n] = self.features.final_hidden(i)[np.minimum(label_pos, T) - 1]
+        return Batch(ctx, block_ids, anchors, labels, valid, teacher)
 
     def next_indices(self) -> list[int]:
         out = []
@@ -416,6 +427,7 @@ class MLXStep:
     def __init__(self, model: DFlashModel, head: mx.array, embed, config: TrainConfig):
         self.model, self.head, self.embed = model, head, embed
         self.position_weights = mx.exp(-mx.arange(config.block_size - 1, dtype=mx.float32) / config.gamma)
+        self.soft = config.soft_labels
         self.optimizer = optim.AdamW(
             learning_rate=lambda step: mx.array(learning_rate(int(step.item()), config)),
             weight_decay=config.weight_decay,
@@ -431,6 +443,10 @@ class MLXStep:
         labels = mx.array(batch.labels.reshape(logits.shape[:2]))
         w = self.position_weights[None] * mx.array(batch.valid.reshape(logits.shape[:2]))
         ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+        if self.soft:  # cross-entropy to (1 - soft) * one-hot + soft * the target's distribution
+            q = mx.softmax(mx.array(batch.teacher).reshape(*logits.shape[:2], -1).astype(mx.float32) @ self.head.T, -1)
+            ce_soft = mx.logsumexp(logits, axis=-1) - (q * logits).sum(-1)
+            ce = (1 - self.soft) * ce + self.soft * ce_soft
         return (ce * w).sum() / mx.maximum(w.sum(), 1.0)
 
     def __call__(self, batch: Batch) -> float:

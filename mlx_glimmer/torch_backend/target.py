@@ -119,18 +119,21 @@ class TorchTarget:
         return out.last_hidden_state[0], feats
 
     @torch.inference_mode()
-    def features(self, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """The captured layers' outputs for several whole sequences in one batched forward: one [L_i, k*H] each.
+    def features(self, sequences: list[list[int]], final: bool = False) -> list:
+        """The captured layers' outputs for several whole sequences in one batched forward: one [L_i, k*H] each
+        (with `final`, each with its [L_i, H] final hidden states: (features, hidden) pairs).
 
         Rows are right-padded: under causal attention a real position never sees the padding after it."""
         width = max(len(s) for s in sequences)
         ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences], device=self.device)
         self._recording = {}
         try:
-            self.decoder(input_ids=ids, use_cache=False)
+            hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state
             feats = torch.cat([self._recording[i] for i in self.layer_ids], dim=-1)
         finally:
             self._recording = None
+        if final:
+            return [(feats[r, : len(s)], hidden[r, : len(s)]) for r, s in enumerate(sequences)]
         return [feats[r, : len(s)] for r, s in enumerate(sequences)]
 
     def head_rows(self, ids: torch.Tensor):
