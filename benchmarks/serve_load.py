@@ -1,7 +1,8 @@
 """Load test for `mlx-glimmer serve`: concurrent multi-turn chats through the official openai client.
 
     python benchmarks/serve_load.py [BUNDLE] [--clients 4] [--turns 3] [--max-tokens 32] [--time-limit 600]
-                                    [--url http://127.0.0.1:8080/v1] [--out benchmarks/results/serve_load.json]
+                                    [--compare] [--max-batch N] [--url http://127.0.0.1:8080/v1]
+                                    [--out benchmarks/results/serve_load.json]
 
 Starts a server on a free loopback port (or uses --url), then runs `--clients`
 conversations at once, each `--turns` streamed requests long (every follow-up
@@ -9,7 +10,17 @@ carries the whole chat, so the prefix cache is exercised), greedy. Bounded:
 clients x turns requests at most, and no new request starts after
 --time-limit seconds. Reports request latency and time to first token
 percentiles, throughput (completion tokens and requests per second of wall
-time), errors, and the server's own /metrics (acceptance, prefix cache).
+time), errors, and the server's own /metrics (acceptance, prefix cache,
+batched steps by batch size).
+
+`--compare`: after a warm-up of both modes (other prompts), the same server
+then serves the very requests the concurrent clients sent one after another
+(the concurrent run first, so whatever the prefix cache gives goes to the one
+after another run), and the summary's `compare` reports both aggregate
+throughputs, their ratio, and whether every concurrent output equals its
+one-at-a-time output. Where one does not, the first difference is explained
+in-process once the server has stopped (`server.batch.explain_batched_divergence`:
+the position and both kernels' logit margins; a floating-point tie or not).
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def start_server(bundle: str | None, max_queue: int) -> tuple[subprocess.Popen, str]:
+def start_server(bundle: str | None, max_queue: int, max_batch: int | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -68,12 +79,54 @@ def start_server(bundle: str | None, max_queue: int) -> tuple[subprocess.Popen, 
         "0",
         "--max-queue",
         str(max_queue),
+        *(["--max-batch", str(max_batch)] if max_batch else []),
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if " at http://" in line:
             return proc, line.split(" at ")[-1].strip()
     raise SystemExit("serve exited before it was ready")
+
+
+def one_request(client, index: int, turn: int, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat request; its record (text and messages kept, for the comparison)."""
+    start = time.perf_counter()
+    first, text, usage, stats, error = None, [], None, {}, None
+    try:
+        stream = client.chat.completions.create(
+            model="default",
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text.append(chunk.choices[0].delta.content)
+            if chunk.model_extra.get("glimmer"):
+                stats = chunk.model_extra["glimmer"]
+            if chunk.usage:
+                usage = chunk.usage
+    except openai.APIError as e:
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    return {
+        "client": index,
+        "turn": turn,
+        "latency_s": end - start,
+        "ttft_s": (first - start) if first else None,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "prompt_tokens": usage.prompt_tokens if usage else 0,
+        "prefill_tokens": stats.get("prefill_tokens"),
+        "queue_wait_s": stats.get("queue_wait_s"),
+        "batch_size": stats.get("batch_size"),
+        "batched_tokens": stats.get("batched_tokens"),
+        "error": error,
+        "text": "".join(text),
+        "messages": messages,
+    }
 
 
 def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: float) -> list[dict]:
@@ -83,50 +136,95 @@ def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: 
     for turn in range(turns):
         if time.monotonic() > deadline:
             break
-        start = time.perf_counter()
-        first, text, usage, stats, error = None, [], None, {}, None
-        try:
-            stream = client.chat.completions.create(
-                model="default",
-                messages=messages,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    text.append(chunk.choices[0].delta.content)
-                if chunk.model_extra.get("glimmer"):
-                    stats = chunk.model_extra["glimmer"]
-                if chunk.usage:
-                    usage = chunk.usage
-        except openai.APIError as e:
-            error = f"{type(e).__name__}: {e}"
-        end = time.perf_counter()
-        records.append(
-            {
-                "client": index,
-                "turn": turn,
-                "latency_s": end - start,
-                "ttft_s": (first - start) if first else None,
-                "completion_tokens": usage.completion_tokens if usage else 0,
-                "prompt_tokens": usage.prompt_tokens if usage else 0,
-                "prefill_tokens": stats.get("prefill_tokens"),
-                "queue_wait_s": stats.get("queue_wait_s"),
-                "error": error,
-            }
-        )
-        if error:
+        record = one_request(client, index, turn, list(messages), max_tokens)
+        records.append(record)
+        if record["error"]:
             break
-        messages += [{"role": "assistant", "content": "".join(text)}, {"role": "user", "content": "Tell me more."}]
+        messages += [{"role": "assistant", "content": record["text"]}, {"role": "user", "content": "Tell me more."}]
     return records
+
+
+def concurrently(client, clients: int, turns: int, max_tokens: int, deadline: float) -> tuple[list[dict], float]:
+    """`clients` conversations at once; their records and the wall time."""
+    wall = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        records = [
+            r
+            for rs in pool.map(lambda i: run_conversation(client, i, turns, max_tokens, deadline), range(clients))
+            for r in rs
+        ]
+    return records, time.perf_counter() - wall
+
+
+def one_after_another(client, records: list[dict], max_tokens: int) -> tuple[list[dict], float]:
+    """The requests of `records` again, each sent when the one before it has finished."""
+    wall = time.perf_counter()
+    out = [one_request(client, r["client"], r["turn"], r["messages"], max_tokens) for r in records]
+    return out, time.perf_counter() - wall
+
+
+def warm_up(client, clients: int) -> None:
+    """Both modes once on other prompts: a batch of `clients` short requests, then one alone."""
+    asks = [[{"role": "user", "content": f"Name a colour, {i}."}] for i in range(clients)]
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda m: one_request(client, -1, 0, m, 8), asks))
+    one_request(client, -1, 0, [{"role": "user", "content": "Say hello."}], 8)
 
 
 def scrape(root: str) -> dict[str, float]:
     text = httpx.get(root + "/metrics").text
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
+
+
+def batched_steps(before: dict, after: dict) -> dict[str, float]:
+    """Batched target forwards by batch size between two scrapes of /metrics."""
+    key = "glimmer_batched_steps_total"
+    out = {k[len(key) :]: after[k] - before.get(k, 0) for k in after if k.startswith(key + "{")}
+    return {k.split('"')[1]: v for k, v in out.items() if v}
+
+
+def phase(records: list[dict], wall: float, before: dict, after: dict) -> dict:
+    ok = [r for r in records if not r["error"]]
+    tokens = sum(r["completion_tokens"] for r in ok)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "completion_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "prefill_tokens": sum(r["prefill_tokens"] or 0 for r in ok),
+        "batched_steps": batched_steps(before, after),
+        "largest_batch": max((r["batch_size"] or 1 for r in ok), default=1),
+    }
+
+
+def explain(bundle: str | None, pairs: list[tuple[dict, dict]], max_tokens: int) -> list[dict]:
+    """Where each concurrent output parts from its one-at-a-time one, explained in-process: the solo greedy
+    reference regenerated, the reply's tokens re-encoded from its text, and at the first difference both
+    kernels' margins (a 1-row step, a batched step of the reply's batch size)."""
+    import mlx_glimmer
+    from mlx_glimmer.demo import demo_bundle
+    from mlx_glimmer.generate import encode_prompt
+    from mlx_glimmer.server.batch import explain_batched_divergence
+    from mlx_glimmer.torch_backend.parity import mlx_dtype
+
+    pair = mlx_glimmer.load(bundle or demo_bundle())
+    out = []
+    for together, alone in pairs:
+        prompt = encode_prompt(pair.tokenizer, together["messages"], {})
+        ref = mlx_glimmer.generate(pair, prompt, max_tokens=max_tokens)
+        tokens = list(pair.tokenizer.encode(together["text"], add_special_tokens=False))
+        rows = max(2, together["batch_size"] or 2)
+        d = explain_batched_divergence(pair.target, mlx_dtype(pair), prompt, ref.token_ids, tokens, rows)
+        out.append(
+            {
+                "client": together["client"],
+                "turn": together["turn"],
+                "reference_equals_one_after_another": ref.text == alone["text"],
+                "divergence": d,
+            }
+        )
+    return out
 
 
 def main() -> int:
@@ -137,6 +235,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=600, help="no request starts after this many seconds")
+    ap.add_argument(
+        "--compare", action="store_true", help="then serve the same requests one after another and compare (see above)"
+    )
+    ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
     ap.add_argument("--note", default="", help="free text stored with the results (machine, load)")
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = ap.parse_args()
@@ -144,23 +246,20 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.bundle, max_queue=max(32, args.clients))
+        proc, url = start_server(args.bundle, max_queue=max(32, args.clients), max_batch=args.max_batch)
     root = url.removesuffix("/v1")
+    sequential = None
     try:
         client = openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=600)
+        if args.compare:
+            warm_up(client, args.clients)
         before = scrape(root)
         deadline = time.monotonic() + args.time_limit
-        wall = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            records = [
-                r
-                for rs in pool.map(
-                    lambda i: run_conversation(client, i, args.turns, args.max_tokens, deadline), range(args.clients)
-                )
-                for r in rs
-            ]
-        wall = time.perf_counter() - wall
+        records, wall = concurrently(client, args.clients, args.turns, args.max_tokens, deadline)
         after = scrape(root)
+        if args.compare:
+            sequential, seq_wall = one_after_another(client, records, args.max_tokens)
+            seq_after = scrape(root)
     finally:
         if proc is not None:
             proc.terminate()
@@ -201,6 +300,8 @@ def main() -> int:
             "reused_tokens": delta.get("glimmer_reused_tokens_total"),
             "prefill_tokens": delta.get("glimmer_prefill_tokens_total"),
             "peak_memory_bytes": after.get("glimmer_peak_memory_bytes"),
+            "batched_steps": batched_steps(before, after),
+            "solo_tokens_per_second": after.get("glimmer_solo_tokens_per_second"),
         },
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "note": args.note,
@@ -216,14 +317,64 @@ def main() -> int:
         f"prefix cache: {summary['server']['prefix_cache_hits']:.0f} hits, {summary['server']['prefix_cache_misses']:.0f} "
         f"misses; follow-ups prefilled {100 * (summary['follow_up_prefill_fraction'] or 0):.0f}% of their prompt",
         f"mean acceptance {summary['server']['mean_acceptance']:.2f} tokens per target forward",
+        f"batched steps by batch size: {summary['server']['batched_steps'] or 'none'}",
     ]
+    failed = summary["errors"] > 0
+    if sequential is not None:
+        together, alone = phase(records, wall, before, after), phase(sequential, seq_wall, after, seq_after)
+        pairs = [(a, b) for a, b in zip(records, sequential) if not a["error"] and not b["error"]]
+        differ = [(a, b) for a, b in pairs if a["text"] != b["text"]]
+        explained = (
+            explain(args.bundle, differ, args.max_tokens) if differ and (args.url is None or args.bundle) else []
+        )
+        ties = sum(bool(e["divergence"] and e["divergence"]["tie"]) for e in explained)
+        compare = {
+            "requests": len(records),
+            "concurrent": together,
+            "one_after_another": alone,
+            "speedup": together["completion_tokens_per_s"] / alone["completion_tokens_per_s"]
+            if alone["completion_tokens_per_s"]
+            else None,
+            "identical_outputs": len(pairs) - len(differ),
+            "compared_outputs": len(pairs),
+            "differences": explained if explained else [{"client": a["client"], "turn": a["turn"]} for a, _ in differ],
+            "all_equal_or_ties": len(differ) == ties,
+        }
+        summary["compare"] = compare
+        failed = failed or alone["errors"] > 0 or not compare["all_equal_or_ties"]
+        lines += [
+            f"compare: the same {len(records)} requests concurrently {together['completion_tokens_per_s']:.2f} "
+            f"completion tokens/s (wall {together['wall_s']:.1f} s, largest batch {together['largest_batch']}) vs one "
+            f"after another {alone['completion_tokens_per_s']:.2f} tokens/s (wall {alone['wall_s']:.1f} s): "
+            f"{compare['speedup'] or 0:.2f}x",
+            f"outputs: {compare['identical_outputs']}/{compare['compared_outputs']} identical"
+            + (f"; {ties} of {len(differ)} differences are floating-point ties" if differ else ""),
+        ]
+        for e in explained:
+            d = e["divergence"]
+            if d is None:
+                lines.append(f"  client {e['client']} turn {e['turn']}: one output is a prefix of the other")
+                continue
+            kernels = "; ".join(
+                f"{name}: top1-top2 {k['margin']:.3g}, |gap| {k['gap']:.3g} (tol {k['tolerance']:.3g})"
+                for name, k in d["kernels"].items()
+            )
+            verdict = "floating-point tie" if d["tie"] else "DISAGREE"
+            lines.append(
+                f"  client {e['client']} turn {e['turn']}: first difference at token {d['position']} "
+                f"{d['tokens'][0]} vs {d['tokens'][1]}; {kernels}: {verdict}"
+            )
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"summary": summary, "records": records}, indent=2) + "\n")
+        keep = [{k: v for k, v in r.items() if k != "messages"} for r in records]
+        result = {"summary": summary, "records": keep}
+        if sequential is not None:
+            result["sequential_records"] = [{k: v for k, v in r.items() if k != "messages"} for r in sequential]
+        out.write_text(json.dumps(result, indent=2) + "\n")
         out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    return 0 if summary["errors"] == 0 else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -110,6 +110,19 @@ class GenerationSettings:
         return self.block_size == AUTO
 
 
+@dataclass(frozen=True)
+class BatchSettings:
+    """How a server decodes concurrent requests (`server/batch.py`): `max_batch` is the most it decodes
+    together, one target forward per step for all of them, when measured throughput says that pays (1: never;
+    requests are served one after another). A lone request always decodes as its own settings say."""
+
+    max_batch: int = 8
+
+    def __post_init__(self):
+        if not (_whole(self.max_batch) and self.max_batch >= 1):
+            raise SamplingError("max_batch", "must be a whole number >= 1", self.max_batch)
+
+
 def check_draft_k(draft_k) -> None:
     """`draft_k` (tokens a draft model or prompt lookup proposes per round): None (the drafter's default) or a
     whole number in [1, MAX_DRAFT_K]. Bounded so the verify widths `auto` measures stay few."""

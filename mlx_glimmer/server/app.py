@@ -8,8 +8,9 @@ back split (tools.py): reasoning in `reasoning_content`, tool calls parsed
 into `tool_calls`, the rest in `content`.
 
 Requests are validated and tokenized on the HTTP side, then queued for the
-one generation thread (`worker.GenerationWorker`); a full queue
-answers 503 with Retry-After. A client that goes away cancels its request.
+one generation thread (`worker.GenerationWorker`), which decodes concurrent
+requests together when that pays (`batch.py`); a full queue answers 503 with
+Retry-After. A client that goes away cancels its request.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..chat_template import reasoning_kwargs
 from ..errors import GlimmerError
 from ..generate import encode_prompt
-from ..settings import GenerationSettings
+from ..settings import BatchSettings, GenerationSettings
 from .metrics import metrics_text
 from .protocol import (
     APIError,
@@ -261,6 +262,8 @@ async def whole_response(
                         event.queue_wait_s,
                         reasoning="".join(reasoning),
                         tool_calls=calls,
+                        batched_tokens=event.batched_tokens,
+                        batch_size=event.batch_size,
                     )
                 )
             elif isinstance(event, Failed):
@@ -330,7 +333,9 @@ async def stream_events(
                         for chunk in part_chunks(shape, [(k, v) for k, v in kept if v]):
                             yield sse(chunk)
                     finish = final_reason(finish, calls)
-                yield sse(shape.final_chunk(finish, event.stats, event.queue_wait_s))
+                yield sse(
+                    shape.final_chunk(finish, event.stats, event.queue_wait_s, event.batched_tokens, event.batch_size)
+                )
                 if include_usage:
                     yield sse(shape.usage_chunk(event.stats))
                 yield sse("[DONE]")
@@ -430,6 +435,7 @@ def serve(
     prompt_cache_bytes: int = 1 << 30,
     max_context: int | None = None,
     log_level: str = "warning",
+    batch: BatchSettings = BatchSettings(),
 ) -> None:
     """Load the pair on the generation thread, then serve until interrupted."""
     import uvicorn
@@ -440,15 +446,18 @@ def serve(
             f"mlx-glimmer serve: warning: listening on {host}, beyond this machine, with no authentication",
             file=sys.stderr,
         )
-    worker = GenerationWorker(load_pair, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes)
+    worker = GenerationWorker(load_pair, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes, batch=batch)
     pair = worker.start()
+    if batch.max_batch > 1 and worker.batch_unsupported:
+        print(f"mlx-glimmer serve: requests are served one at a time: {worker.batch_unsupported}", file=sys.stderr)
     server = ServerState(worker, model_name or pair.name, defaults, max_context or model_context(pair))
     app = create_app(server)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    together = f"up to {batch.max_batch} requests decoded together" if worker.can_batch else "one request at a time"
     print(
         f"mlx-glimmer serve: '{server.model_name}' ({'drafter ' + pair.drafter.kind if pair.drafter else 'no drafter'}, "
-        f"context {server.max_context}) at http://{shown}:{actual}/v1",
+        f"context {server.max_context}, {together}) at http://{shown}:{actual}/v1",
         file=sys.stderr,
         flush=True,
     )

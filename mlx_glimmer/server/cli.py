@@ -7,7 +7,7 @@ import re
 
 from ..errors import GlimmerError
 from ..flags import add_drafter_flags, add_sampling_flags, positive_int, settings_from_args
-from ..settings import GenerationSettings
+from ..settings import BatchSettings, GenerationSettings
 
 # What a request leaves out comes from these (the flags change them).
 SERVE_DEFAULTS = GenerationSettings(max_tokens=512)
@@ -61,6 +61,16 @@ def add_serve_parser(sub) -> None:
         help="requests that may wait for the model; more get 503 with Retry-After (default 32)",
     )
     s.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=BatchSettings().max_batch,
+        help=(
+            "most concurrent requests decoded together, one target forward per step for all of them, when measured "
+            f"throughput says it pays (a lone request stays speculative; 1: one at a time; default "
+            f"{BatchSettings().max_batch})"
+        ),
+    )
+    s.add_argument(
         "--prompt-cache-bytes",
         type=byte_size,
         default=byte_size("1GiB"),
@@ -99,5 +109,6 @@ def cmd_serve(args, open_pair) -> int:
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=args.max_context,
         log_level=args.log_level,
+        batch=BatchSettings(max_batch=args.max_batch),
     )
     return 0

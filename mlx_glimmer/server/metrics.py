@@ -34,6 +34,15 @@ class ServerMetrics:
     prefix_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
+    # Decoding together (batch.py): the requests decoding now (0 idle, 1 alone, more in a batch), the bound,
+    # batched steps by batch size, and the throughputs the batching decision compares.
+    batch_size: int = 0
+    max_batch: int = 1
+    batching_supported: bool = False
+    batched_steps: Counter = field(default_factory=Counter)
+    batched_tokens: int = 0  # of finished requests
+    solo_tokens_per_second: float = 0.0
+    batched_tokens_per_second: dict = field(default_factory=dict)  # by batch size
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> "ServerMetrics":
@@ -44,6 +53,8 @@ class ServerMetrics:
                 requests=Counter(self.requests),
                 block_sizes=Counter(self.block_sizes),
                 acceptance=Counter(self.acceptance),
+                batched_steps=Counter(self.batched_steps),
+                batched_tokens_per_second=dict(self.batched_tokens_per_second),
                 prefix_cache=replace(self.prefix_cache),
                 lock=threading.Lock(),
             )
@@ -58,9 +69,28 @@ class ServerMetrics:
         with self.lock:
             self.requests[finish_reason] += 1
 
-    def record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
+    def record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float, batched_tokens: int = 0) -> None:
         with self.lock:
             self._record(stats, finish_reason, queue_wait_s)
+            self.batched_tokens += batched_tokens
+
+    def set_mode(self, batch_size: int) -> None:
+        with self.lock:
+            self.batch_size = batch_size
+
+    def record_step(self, batch_size: int, solo_rate: float | None, rates: dict[int, float]) -> None:
+        """One batched step of `batch_size` requests, and the policy's measurements after it."""
+        with self.lock:
+            self.batched_steps[batch_size] += 1
+            self._rates(solo_rate, rates)
+
+    def record_rates(self, solo_rate: float | None, rates: dict[int, float]) -> None:
+        with self.lock:
+            self._rates(solo_rate, rates)
+
+    def _rates(self, solo_rate: float | None, rates: dict[int, float]) -> None:
+        self.solo_tokens_per_second = solo_rate or 0.0
+        self.batched_tokens_per_second = dict(rates)
 
     def _record(self, stats: GenerationStats, finish_reason: str, queue_wait_s: float) -> None:
         self.requests[finish_reason] += 1
@@ -110,6 +140,39 @@ def metrics_text(
     metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
     metric("queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
     metric("busy", "gauge", "1 while a request is generating", int(busy))
+    metric(
+        "batch_size",
+        "gauge",
+        "requests decoding now: 1 alone (speculative), more decoded together in one forward per step",
+        m.batch_size,
+    )
+    metric("max_batch", "gauge", "most requests decoded together (--max-batch)", m.max_batch)
+    metric(
+        "batching_supported",
+        "gauge",
+        "1 when this target's requests can be decoded together",
+        int(m.batching_supported),
+    )
+    metric(
+        "batched_steps_total",
+        "counter",
+        "batched target forwards, by batch size",
+        [(f'{{batch_size="{k}"}}', v) for k, v in sorted(m.batched_steps.items())] or [('{batch_size="2"}', 0)],
+    )
+    metric("batched_tokens_total", "counter", "tokens of finished requests decoded in a batch", m.batched_tokens)
+    metric(
+        "solo_tokens_per_second",
+        "gauge",
+        "measured decoding speed of a lone request (what batching must beat)",
+        float(m.solo_tokens_per_second),
+    )
+    metric(
+        "batched_tokens_per_second",
+        "gauge",
+        "measured throughput of batched steps, all requests together, by batch size",
+        [(f'{{batch_size="{k}"}}', float(v)) for k, v in sorted(m.batched_tokens_per_second.items())]
+        or [('{batch_size="2"}', 0.0)],
+    )
     metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
     metric("prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
     metric("reused_tokens_total", "counter", "prompt tokens served from the prefix cache", m.reused_tokens)

@@ -440,7 +440,9 @@ def usage(stats: GenerationStats) -> dict:
     }
 
 
-def glimmer_stats(stats: GenerationStats, queue_wait_s: float) -> dict:
+def glimmer_stats(stats: GenerationStats, queue_wait_s: float, batched_tokens: int = 0, batch_size: int = 1) -> dict:
+    """Our own figures of a response. `batched_tokens`: completion tokens decoded in a batch with other
+    requests; `batch_size`: the most requests it was decoded together with (1: alone throughout)."""
     return {
         "prefill_tokens": stats.prefill_tokens,
         "reused_tokens": stats.prompt_tokens - stats.prefill_tokens,
@@ -452,6 +454,8 @@ def glimmer_stats(stats: GenerationStats, queue_wait_s: float) -> dict:
         "queue_wait_s": queue_wait_s,
         "block_size": stats.block_size,
         "drafter": stats.drafter_kind,
+        "batched_tokens": batched_tokens,
+        "batch_size": batch_size,
     }
 
 
@@ -481,6 +485,8 @@ class ResponseShape:
         *,
         reasoning: str = "",
         tool_calls: list[dict] | None = None,
+        batched_tokens: int = 0,
+        batch_size: int = 1,
     ) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text if text or not tool_calls else None}
@@ -495,7 +501,7 @@ class ResponseShape:
             **self._envelope(False),
             "choices": [choice],
             "usage": usage(stats),
-            "glimmer": glimmer_stats(stats, queue_wait_s),
+            "glimmer": glimmer_stats(stats, queue_wait_s, batched_tokens, batch_size),
         }
 
     def chunk(
@@ -518,8 +524,18 @@ class ResponseShape:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._envelope(True), "choices": [choice]}
 
-    def final_chunk(self, finish_reason: str, stats: GenerationStats, queue_wait_s: float) -> dict:
-        return {**self.chunk(None, finish_reason), "glimmer": glimmer_stats(stats, queue_wait_s)}
+    def final_chunk(
+        self,
+        finish_reason: str,
+        stats: GenerationStats,
+        queue_wait_s: float,
+        batched_tokens: int = 0,
+        batch_size: int = 1,
+    ) -> dict:
+        return {
+            **self.chunk(None, finish_reason),
+            "glimmer": glimmer_stats(stats, queue_wait_s, batched_tokens, batch_size),
+        }
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return {**self._envelope(True), "choices": [], "usage": usage(stats)}

@@ -4,8 +4,16 @@ The thread owns the pair (MLX streams belong to the thread that made them),
 takes jobs in arrival order, and reports each job's progress through the
 job's `emit` callback: `Delta`s of text, then one `Finished` or `Failed`. A job
 whose `cancelled` event is set (its client went away) is skipped if it is
-still queued, or stopped after the current round if it is running; either
-way the conversation it was extending stays cached and consistent.
+still queued, or stopped after the current round (or batched step) if it is
+running; either way the conversation it was extending stays cached and
+consistent.
+
+A lone request decodes speculatively. While others wait, `batch.BatchPolicy`
+(measured throughput) decides whether they join it in a `batch.DecodeBatch`
+(one target forward per step for all of them) or wait their turn. A request
+moves between the two at round boundaries (`Run`: what it has committed and
+emitted travels with it); the last one left in a batch goes back to
+speculative decoding.
 
 Stop strings are applied here, so generation ends as soon as one appears.
 """
@@ -18,14 +26,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 
 from ..generate import GenerationPair, GenerationStats, stream_generate
-from ..settings import GenerationSettings
+from ..settings import SEED_LIMIT, BatchSettings, GenerationSettings
+from .batch import BatchPolicy, DecodeBatch, Row, batch_support
 from .metrics import ServerMetrics
-from .prompt_cache import PromptCache
+from .prompt_cache import Conversation, PromptCache
 
 
 @dataclass
@@ -47,6 +56,9 @@ class Finished:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: GenerationStats
     queue_wait_s: float
+    token_ids: list[int] = field(default_factory=list)  # committed (a stop token excluded)
+    batched_tokens: int = 0  # of them, decoded in a batch with other requests
+    batch_size: int = 1  # the most requests it was decoded together with (1: always alone)
 
 
 @dataclass
@@ -106,19 +118,169 @@ class PairLoader(Protocol):
     def __call__(self) -> GenerationPair: ...
 
 
-class GenerationWorker:
-    """The generation thread and its queue (at most `max_queue` waiting jobs)."""
+def resume_seed(seed: int, generated: int) -> int:
+    """The seed of a request's sampling after `generated` tokens: a request that goes back to speculative
+    decoding must not replay the random numbers its first tokens used."""
+    return (seed + generated * 0x9E3779B97F4A7C15) % SEED_LIMIT if generated else seed
 
-    def __init__(self, load_pair: PairLoader, *, max_queue: int = 32, prompt_cache_bytes: int = 1 << 30):
+
+@dataclass
+class Run:
+    """One job from its start to its end, alone or in a batch: its conversation, the tokens it has committed,
+    its text so far (detokenizer, stop strings) and its running stats."""
+
+    job: Job
+    conv: Conversation
+    detok: Any
+    queue_wait_s: float
+    stop: StopMatcher = field(init=False)
+    stats: GenerationStats = field(init=False)
+    generated: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" | "cancelled" once done
+    first_at: float = 0.0
+    batched_tokens: int = 0
+    batch_size: int = 1
+    row: Row | None = None  # while in a batch
+
+    def __post_init__(self):
+        self.stop = StopMatcher(self.job.request.stop)
+        self.stats = GenerationStats(prompt_tokens=len(self.job.request.prompt_tokens))
+        self.detok.reset()
+
+    @classmethod
+    def start(cls, job: Job, prompt_cache: PromptCache, tokenizer) -> "Run":
+        wait = time.perf_counter() - job.enqueued_at
+        return cls(job, prompt_cache.take(job.request.prompt_tokens), tokenizer.detokenizer, wait)
+
+    @property
+    def settings(self) -> GenerationSettings:
+        return self.job.request.settings
+
+    def alone(self, pair, preempt: Callable[[], bool] = lambda: False, on_round=None) -> bool:
+        """Decode alone from where the request stands, as its settings say (speculative by default), until it
+        is done (True) or, at a round boundary, `preempt()` says to stop (False). `on_round(tokens, seconds)`
+        hears every round after the first (that one includes a prefill)."""
+        resumed = bool(self.generated)
+        settings = self.settings
+        if resumed:
+            settings = replace(
+                settings,
+                max_tokens=settings.max_tokens - len(self.generated),
+                seed=resume_seed(settings.seed, len(self.generated)),
+            )
+        prompt = self.job.request.prompt_tokens + self.generated
+        chunks = stream_generate(replace(pair, drafter=self.conv.drafter), prompt, settings, state=self.conv.state)
+        base, last = self.stats, None
+        try:
+            for chunk in chunks:
+                now = time.perf_counter()
+                stopped = chunk.stats.finish_reason == "stop"
+                if last is not None and on_round is not None:
+                    on_round(len(chunk.token_ids) + stopped, now - last)
+                last = now
+                self.stats = joined(base, chunk.stats) if resumed else chunk.stats
+                self.commit(chunk.token_ids, stopped, now)
+                if self.finish is not None:
+                    return True
+                if preempt():
+                    return False
+        finally:
+            chunks.close()
+        if self.finish is None:  # the loop ended without saying why
+            self.finish = self.stats.finish_reason or "length"
+        return True
+
+    def commit(self, tokens: list[int], stopped: bool, now: float) -> None:
+        """Take newly committed tokens (`stopped`: a stop token came after them): emit their text, and see
+        whether the request is done (a stop token or string, its token budget, its client gone)."""
+        self.first_at = self.first_at or now
+        self.generated += tokens
+        for t in tokens:
+            self.detok.add_token(t)
+        n = len(self.generated)
+        done = "stop" if stopped else "length" if n >= self.settings.max_tokens else None
+        stats = self.stats
+        stats.generated_tokens = n
+        if n > 1 and now > self.first_at:
+            stats.decode_tokens_per_second = (n - 1) / (now - self.first_at)
+        if done is not None:
+            stats.finish_reason = done
+            self.detok.finalize()
+        text, hit = self.stop.feed(self.detok.last_segment)
+        if text:
+            self.job.emit(Delta(text))
+        if hit:
+            self.finish = "stop"
+        elif self.job.cancelled.is_set():
+            self.finish = "cancelled"
+        elif done is not None:
+            self.finish = done
+            if tail := self.stop.flush():
+                self.job.emit(Delta(tail))
+
+    def batched_step(self, token: int, stop_ids: set, batch_size: int, now: float) -> None:
+        """One token from a batched step (a target forward of width 1 for this request)."""
+        stats = self.stats
+        stats.target_forwards += 1
+        stats.acceptance_lengths.append(1)
+        stats.verify_widths.append(1)
+        stopped = token in stop_ids
+        self.batched_tokens += not stopped
+        self.batch_size = max(self.batch_size, batch_size)
+        self.commit([] if stopped else [token], stopped, now)
+
+    def finished(self) -> Finished:
+        return Finished(
+            self.finish or "length",
+            self.stats,
+            self.queue_wait_s,
+            list(self.generated),
+            self.batched_tokens,
+            self.batch_size,
+        )
+
+
+def joined(base: GenerationStats, segment: GenerationStats) -> GenerationStats:
+    """The stats of a request that went back to decoding alone: `base` (so far) and the new segment's, whose
+    one-token "prefill" is the forward of the request's last token (a round committing one token)."""
+    return replace(
+        base,
+        target_forwards=base.target_forwards + 1 + segment.target_forwards,
+        acceptance_lengths=base.acceptance_lengths + [1] + segment.acceptance_lengths,
+        verify_widths=base.verify_widths + [1] + segment.verify_widths,
+        draft_s=base.draft_s + segment.draft_s,
+        verify_s=base.verify_s + segment.verify_s,
+        peak_memory_gb=max(base.peak_memory_gb, segment.peak_memory_gb),
+        drafter_kind=segment.drafter_kind,
+        block_size=segment.block_size,
+        block_policy=segment.block_policy,
+    )
+
+
+class GenerationWorker:
+    """The generation thread and its queue (at most `max_queue` waiting jobs); `batch` bounds how many
+    requests decode together."""
+
+    def __init__(
+        self,
+        load_pair: PairLoader,
+        *,
+        max_queue: int = 32,
+        prompt_cache_bytes: int = 1 << 30,
+        batch: BatchSettings = BatchSettings(),
+    ):
         self.load_pair = load_pair
         self.max_queue = max_queue
         self.prompt_cache_bytes = prompt_cache_bytes
+        self.batch = batch
+        self.policy = BatchPolicy()
         self.metrics = ServerMetrics()
         self.pair = None
         self.prompt_cache: PromptCache | None = None
-        self.busy = False
-        self.current: Job | None = None
+        self.batch_unsupported: str | None = None  # why requests cannot be decoded together, if they cannot
+        self.active: list[Job] = []  # jobs generating now
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._closing = False
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlx-glimmer-generation", daemon=True)
@@ -135,6 +297,19 @@ class GenerationWorker:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    @property
+    def current(self) -> Job | None:
+        active = self.active
+        return active[0] if active else None
+
+    @property
+    def can_batch(self) -> bool:
+        return self.batch.max_batch > 1 and self.batch_unsupported is None
+
     def submit(self, job: Job) -> None:
         try:
             self._queue.put_nowait(job)
@@ -144,12 +319,10 @@ class GenerationWorker:
             raise QueueFull from None
 
     def cancel_all(self) -> None:
-        """Cancel the running job (it ends after its current round) and every queued one."""
+        """Cancel the running jobs (they end after their current round) and every queued one."""
         with self._queue.mutex:
             queued = [job for job in self._queue.queue if job is not None]
-        for job in queued:
-            job.cancelled.set()
-        if (job := self.current) is not None:
+        for job in queued + list(self.active):
             job.cancelled.set()
 
     def close(self, timeout: float | None = None) -> None:
@@ -167,20 +340,26 @@ class GenerationWorker:
             # One short generation fills lazily made buffers (shared by every conversation's drafter copy).
             list(stream_generate(self.pair, list(self.pair.tokenizer.encode("Hello")) or [0], max_tokens=2))
             self.prompt_cache = PromptCache(self.pair.drafter, self.prompt_cache_bytes)
+            self.batch_unsupported = batch_support(self.pair.target)
+            with self.metrics.lock:
+                self.metrics.batching_supported = self.can_batch
+                self.metrics.max_batch = self.batch.max_batch
         except BaseException as e:  # reported by start()
             self._load_error = e
             self._ready.set()
             return
         self._ready.set()
-        while (job := self._queue.get()) is not None:
-            if job.cancelled.is_set():
-                self.metrics.count("cancelled")
-                continue
-            self.busy, self.current = True, job
+        while not self._closing and (job := self._queue.get()) is not None:
             try:
-                self._generate(job)
+                self._serve(job)
+            except Exception as e:  # a bug; the thread must live on for the other clients
+                traceback.print_exc(file=sys.stderr)
+                for running in self.active:  # their conversations are dropped
+                    self.metrics.count("error")
+                    running.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             finally:
-                self.busy, self.current = False, None
+                self.active = []
+                self.metrics.set_mode(0)
             if self._queue.empty():
                 self._sample_memory()
                 mx.clear_cache()  # give freed buffers back while idle, so memory does not creep up
@@ -190,55 +369,158 @@ class GenerationWorker:
             self.metrics.active_memory_bytes = mx.get_active_memory()
             self.metrics.cache_memory_bytes = mx.get_cache_memory()
 
-    def _generate(self, job: Job) -> None:
+    # ---- scheduling -------------------------------------------------------------------------------------
+
+    def _serve(self, job: Job) -> None:
+        """Serve `job` and whatever arrives while it runs, until no request is left: a lone one decodes
+        alone; waiting ones join it in a batch when the policy says that pays."""
+        lone = self._begin(job)
+        while lone is not None:
+            if self._alone(lone, preempt=self._batch_now):
+                lone = self._take_next()
+                continue
+            batch = DecodeBatch(self.pair.target)
+            self._join(batch, lone)
+            self._admit(batch, self._waiting_batch_size() - 1)  # what the policy just chose: no second asking
+            lone = self._decode_together(batch)
+            if lone is None:
+                lone = self._take_next()
+
+    def _batch_now(self) -> bool:
+        """Should the lone request stop at this round and decode together with those waiting?"""
+        n = self._waiting_batch_size()
+        return n > 1 and self.policy.together(n)
+
+    def _waiting_batch_size(self) -> int:
+        """Requests a batch would hold now: this one and those waiting (up to max_batch); 1 when none can join."""
+        if not self.can_batch or self._queue.empty():
+            return 1
+        return min(1 + self._queue.qsize(), self.batch.max_batch)
+
+    def _take_next(self) -> Run | None:
+        """The next waiting job, started; None when none waits."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if job is None:
+                self._closing = True
+                return None
+            if (run := self._begin(job)) is not None:
+                return run
+
+    def _begin(self, job: Job) -> Run | None:
+        if job.cancelled.is_set():
+            self.metrics.count("cancelled")
+            return None
+        self.active.append(job)
+        return Run.start(job, self.prompt_cache, self.pair.tokenizer)
+
+    def _alone(self, run: Run, preempt: Callable[[], bool]) -> bool:
+        """Decode `run` alone until it is done (True) or `preempt` stops it (False)."""
+        self.metrics.set_mode(1)
         try:
-            event = answer(self.pair, self.prompt_cache, job)
-        except Exception as e:  # a bug; the thread must live on for the other clients
-            traceback.print_exc(file=sys.stderr)
-            event = Failed(f"generation failed: {type(e).__name__}: {e}")
-        if isinstance(event, Finished):
-            self.metrics.record(event.stats, event.finish_reason, event.queue_wait_s)
-        else:
-            self.metrics.count("error")
+            done = run.alone(self.pair, preempt, on_round=self.policy.observe_solo)
+        except Exception as e:  # a bug, not bad input (requests are validated before they queue)
+            self._fail(run, e)
+            return True
+        if done:
+            self._end(run)
+        return done
+
+    def _join(self, batch: DecodeBatch, run: Run) -> None:
+        state = run.conv.state
+        params = run.settings.sampling
+        key = None if params.greedy else mx.random.key(resume_seed(run.settings.seed, len(run.generated)))
+        run.row = Row(state, run.generated[-1], params, key, run)
+        batch.join(run.row)
+
+    def _admit(self, batch: DecodeBatch, count: int) -> None:
+        """Start up to `count` waiting jobs (prefill and first token, alone) and add them to the batch."""
+        for _ in range(count):
+            if len(batch) >= self.batch.max_batch or (run := self._take_next()) is None:
+                return
+            try:
+                done = run.alone(self.pair, preempt=lambda: True)
+            except Exception as e:
+                self._fail(run, e)
+                continue
+            if done:
+                self._end(run)
+            else:
+                self._join(batch, run)
+
+    def _decode_together(self, batch: DecodeBatch) -> Run | None:
+        """Step the batch until one request (returned, to decode alone) or none is left; waiting jobs join
+        while the policy says a bigger batch pays."""
+        target = self.pair.target
+        stop_ids = set(self.pair.tokenizer.eos_token_ids)
+        drafter_model = getattr(self.pair.drafter, "model", None)
+        with target.memory.resident(getattr(target, "model", None), drafter_model):
+            while True:
+                n = self._waiting_batch_size() - 1
+                if n > 0 and len(batch) < self.batch.max_batch and self.policy.together(len(batch) + 1):
+                    self._admit(batch, min(n, self.batch.max_batch - len(batch)))
+                if len(batch) <= 1:
+                    if not batch.rows:
+                        return None
+                    (row,) = batch.rows
+                    batch.leave([row])
+                    run, run.row = row.owner, None
+                    return run
+                self.metrics.set_mode(len(batch))
+                try:
+                    out, seconds = batch.step()
+                except Exception as e:  # a bug: every request in the batch fails, the thread lives on
+                    for row in list(batch.rows):
+                        self._fail(row.owner, e)
+                    return None
+                if seconds is not None:
+                    self.policy.observe_batch(len(out), seconds)
+                now = time.perf_counter()
+                for row, token in out:
+                    row.owner.batched_step(token, stop_ids, len(out), now)
+                self.metrics.record_step(len(out), self.policy.solo_rate, self.policy.rates())
+                done = [row for row in batch.rows if row.owner.finish is not None]
+                batch.leave(done)
+                for row in done:
+                    row.owner.row = None
+                    self._end(row.owner)
+
+    def _end(self, run: Run) -> None:
+        self.prompt_cache.put(run.conv)
+        event = run.finished()
+        self.metrics.record(event.stats, event.finish_reason, event.queue_wait_s, event.batched_tokens)
+        self.metrics.record_rates(self.policy.solo_rate, self.policy.rates())
         self.metrics.record_cache(self.prompt_cache)
-        job.emit(event)
+        self._drop(run)
+        run.job.emit(event)
+
+    def _fail(self, run: Run, error: Exception) -> None:
+        """A bug, not bad input: report it; the half-updated conversation is dropped."""
+        traceback.print_exc(file=sys.stderr)
+        self.metrics.count("error")
+        self.metrics.record_cache(self.prompt_cache)
+        self._drop(run)
+        run.job.emit(Failed(f"generation failed: {type(error).__name__}: {error}"))
+
+    def _drop(self, run: Run) -> None:
+        self.active = [j for j in self.active if j is not run.job]
 
 
 def answer(pair, prompt_cache: PromptCache, job: Job) -> Finished | Failed:
-    """Run one job on the calling thread: emit its text as `Delta`s and return how it ended.
+    """Run one job alone on the calling thread: emit its text as `Delta`s and return how it ended.
 
     The conversation it extends is taken from `prompt_cache` and put back when the
     job finishes, is cancelled or meets a stop string (generation is closed at a
     round boundary, so the state holds exactly what the target processed).
     """
-    req = job.request
-    wait = time.perf_counter() - job.enqueued_at
-    conv = prompt_cache.take(req.prompt_tokens)
-    pair = replace(pair, drafter=conv.drafter)
-    chunks = stream_generate(pair, req.prompt_tokens, req.settings, state=conv.state)
-    stop = StopMatcher(req.stop)
-    stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
-    finish = None
+    run = Run.start(job, prompt_cache, pair.tokenizer)
     try:
-        for chunk in chunks:
-            stats = chunk.stats
-            text, hit = stop.feed(chunk.text)
-            if text:
-                job.emit(Delta(text))
-            if hit:
-                finish = "stop"
-                break
-            if job.cancelled.is_set():
-                finish = "cancelled"
-                break
-        if finish is None:
-            finish = stats.finish_reason or "length"
-            if tail := stop.flush():
-                job.emit(Delta(tail))
+        run.alone(pair)
     except Exception as e:  # a bug, not bad input (requests are validated before they queue)
         traceback.print_exc(file=sys.stderr)
-        chunks.close()
         return Failed(f"generation failed: {type(e).__name__}: {e}")  # the half-updated conversation is dropped
-    chunks.close()
-    prompt_cache.put(conv)
-    return Finished(finish, stats, wait)
+    prompt_cache.put(run.conv)
+    return run.finished()
