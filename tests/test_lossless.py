@@ -10,6 +10,8 @@ from oracle_drafter import OracleDrafter
 import mlx_glimmer
 from mlx_glimmer.speculative import generate_steps
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: transformers' generate on one thread
+
 PROMPT = [256] + list(b"Once upon a time")  # BOS + 16 bytes: already twice the window of 8
 N_TOKENS = 220  # > 20x the sliding window
 

@@ -9,12 +9,8 @@ elsewhere) to keep the module quick on a 2-core CPU.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import socket
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +18,8 @@ import httpx2 as httpx
 import pytest
 
 openai = pytest.importorskip("openai")
+
+from serving import ServeProcess  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
 from mlx_glimmer import cli  # noqa: E402
@@ -32,64 +30,29 @@ MAX_QUEUE = 12
 STORY = "Write a short story about a robot who learns to paint."
 
 
-class Server:
+class Server(ServeProcess):
+    """`mlx-glimmer serve ARGS` on a free port."""
+
     def __init__(self, *args: str, timeout: float = 300):
         cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", *args, "--port", "0", "--max-queue", str(MAX_QUEUE)]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        self.log: list[str] = []
-        lines: queue.Queue = queue.Queue()
-
-        def drain():  # keep reading, so the pipe never fills
-            for line in self.proc.stderr:
-                self.log.append(line)
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError("serve exited before it was ready:\n" + "".join(self.log))
-            if " at http://" in line:
-                self.url = line.split(" at ")[-1].strip()  # http://127.0.0.1:PORT/v1
-                break
-        self.root = self.url.removesuffix("/v1")
-
-    def client(self, **kwargs):
-        return openai.OpenAI(base_url=self.url, api_key="not-needed", max_retries=0, timeout=180, **kwargs)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.root + "/metrics").text
-        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        super().__init__(cmd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def bundle():
-    from mlx_glimmer.demo import demo_bundle
-
-    return demo_bundle()
+def bundle(demo_bundle):
+    return demo_bundle
 
 
 @pytest.fixture(scope="module")
 def server(bundle):
     s = Server(str(bundle))
     yield s
-    s.stop()
-    assert s.proc.returncode is not None
-    assert "Traceback" not in "".join(s.log), "".join(s.log)
+    s.stop_and_check()
 
 
 @pytest.fixture(scope="module")
-def pair(bundle):
-    return mlx_glimmer.load(bundle)
+def pair(demo_pair):
+    return demo_pair
 
 
 def ask(text: str) -> list[dict]:

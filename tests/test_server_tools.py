@@ -11,12 +11,7 @@ the template, the prefix cache, the speculative loop and the server are the real
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import scripted_serve  # noqa: E402
+from serving import ServeProcess  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
 from mlx_glimmer.channels import split_channels  # noqa: E402
@@ -119,55 +115,13 @@ def with_template(src: Path, dst: Path, template: str, extra_specials: list[str]
     return dst
 
 
-class Server:
+class Server(ServeProcess):
     """`mlx-glimmer serve` on a scripted target, in its own process."""
 
-    def __init__(self, spec: Path, target: Path, drafter: Path, timeout: float = 300):
-        cmd = [
-            sys.executable,
-            str(HERE / "scripted_serve.py"),
-            str(spec),
-            "--",
-            "serve",
-            str(target),
-            "--drafter",
-            str(drafter),
-            "--port",
-            "0",
-            "--max-queue",
-            "4",
-            "--model-name",
-            "tiny",
-        ]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        self.log: list[str] = []
-        lines: queue.Queue = queue.Queue()
-
-        def drain():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError("serve exited before it was ready:\n" + "".join(self.log))
-            if " at http://" in line:
-                self.url = line.split(" at ")[-1].strip()
-                break
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url, api_key="not-needed", max_retries=0, timeout=180)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def __init__(self, spec: Path, target: Path, drafter: Path, timeout: float = 300, *, wait: bool = True):
+        cmd = [sys.executable, str(HERE / "scripted_serve.py"), str(spec), "--", "serve", str(target)]
+        cmd += ["--drafter", str(drafter), "--port", "0", "--max-queue", "4", "--model-name", "tiny"]
+        super().__init__(cmd, timeout=timeout, wait=wait)
 
 
 @contextmanager
@@ -184,32 +138,46 @@ def scripted_loading(spec: dict):
 
 
 def start(tmp_path_factory, checkpoints, name, template, scripts, specials=()):
+    """Starts the server on a copy of the target with `template` (without waiting for it) and opens the same
+    pair in this process."""
     root = tmp_path_factory.mktemp(name)
     target = with_template(checkpoints["muse"], root / "target", template, specials)
     spec = {"marker": MARKER, "scripts": scripts}
     (root / "spec.json").write_text(json.dumps(spec))
-    server = Server(root / "spec.json", target, checkpoints["assistant"])
+    server = Server(root / "spec.json", target, checkpoints["assistant"], wait=False)
     with scripted_loading(spec):
         pair = mlx_glimmer.load(target=target, drafter=checkpoints["assistant"])
     return server, pair
 
 
 @pytest.fixture(scope="module")
-def muse(tmp_path_factory, checkpoints):
-    server, pair = start(tmp_path_factory, checkpoints, "muse_tools", MUSE_TEMPLATE, MUSE_SCRIPTS)
-    yield server, pair
-    server.stop()
-    assert "Traceback" not in "".join(server.log), "".join(server.log)
+def servers(tmp_path_factory, checkpoints):
+    """Both templates' servers, started together."""
+    started = {
+        "muse": start(tmp_path_factory, checkpoints, "muse_tools", MUSE_TEMPLATE, MUSE_SCRIPTS),
+        "think": start(
+            tmp_path_factory, checkpoints, "think_tools", THINK_TEMPLATE, THINK_SCRIPTS, ["<think>", "</think>"]
+        ),
+    }
+    try:
+        for server, _ in started.values():
+            server.ready()
+        yield started
+    finally:
+        for server, _ in started.values():
+            server.stop()
+    for server, _ in started.values():
+        server.stop_and_check()
 
 
 @pytest.fixture(scope="module")
-def think(tmp_path_factory, checkpoints):
-    server, pair = start(
-        tmp_path_factory, checkpoints, "think_tools", THINK_TEMPLATE, THINK_SCRIPTS, ["<think>", "</think>"]
-    )
-    yield server, pair
-    server.stop()
-    assert "Traceback" not in "".join(server.log), "".join(server.log)
+def muse(servers):
+    return servers["muse"]
+
+
+@pytest.fixture(scope="module")
+def think(servers):
+    return servers["think"]
 
 
 def streamed(stream) -> dict:
