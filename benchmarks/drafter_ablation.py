@@ -49,7 +49,11 @@ BASE = [
 SHIPPED = ROOT / "mlx_glimmer" / "data" / "demo_drafter"
 ARMS = {
     "chain": (None, "the shipped drafter: a chain of fine-tunes from a 38k-token drafter (not trained here)"),
+    # first trained arm: its run computes the shared feature store with the final hidden states soft labels
+    # need, which every other arm then reads as it is
+    "soft0.5": (["--soft-labels", "0.5"], "labels half the answer's token, half the target's distribution"),
     "scratch": ([], "the shipped recipe from random init on all 1.5M tokens"),
+    "soft1": (["--soft-labels", "1"], "labels the target's distribution only (KL to the target)"),
     "channel": (["--context-scale", "channel"], "fc trained on features / per-channel RMS"),
     "layers4": (["--layers", "4"], "4 drafter layers instead of 2"),
     "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
