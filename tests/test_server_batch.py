@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +21,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
+from serving import ServeProcess
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
@@ -325,51 +324,12 @@ def test_a_sliding_window_target_serves_concurrent_requests_one_at_a_time(muse_p
 # ---- the demo pair through `mlx-glimmer serve` --------------------------------------------------------------
 
 
-class Server:
-    """`mlx-glimmer serve` in its own process on a free loopback port."""
+def post(server: ServeProcess, body: dict) -> dict:
+    import httpx2 as httpx
 
-    def __init__(self, *args: str, timeout: float = 300):
-        cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", *args, "--port", "0"]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        self.log: list[str] = []
-        lines: queue.Queue = queue.Queue()
-
-        def drain():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if line is None:
-                raise RuntimeError("serve exited before it was ready:\n" + "".join(self.log))
-            if " at http://" in line:
-                self.url = line.split(" at ")[-1].strip()
-                break
-        self.root = self.url.removesuffix("/v1")
-
-    def post(self, body: dict) -> dict:
-        import httpx2 as httpx
-
-        r = httpx.post(self.url + "/chat/completions", json=body, timeout=600)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def metrics(self) -> dict[str, float]:
-        import httpx2 as httpx
-
-        text = httpx.get(self.root + "/metrics").text
-        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 TOPICS = ("the moon", "bread", "volcanoes", "chess")
@@ -380,14 +340,11 @@ def ask(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from mlx_glimmer.demo import demo_bundle
-
-    bundle = demo_bundle()
-    server = Server(str(bundle), "--max-batch", "4")
-    yield bundle, server, mlx_glimmer.load(bundle)
-    server.stop()
-    assert "Traceback" not in "".join(server.log), "".join(server.log)
+def demo(demo_bundle, demo_pair):
+    server = ServeProcess([sys.executable, "-m", "mlx_glimmer.cli", "serve", str(demo_bundle), "--max-batch", "4",
+                           "--port", "0"])  # fmt: skip
+    yield demo_bundle, server, demo_pair
+    server.stop_and_check()
 
 
 @pytest.mark.network
@@ -405,7 +362,7 @@ def test_demo_four_concurrent_clients_are_batched_and_equal_solo_greedy(demo):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     with ThreadPoolExecutor(len(messages)) as pool:
-        replies = list(pool.map(lambda m: server.post({**body, "messages": m}), messages))
+        replies = list(pool.map(lambda m: post(server, {**body, "messages": m}), messages))
     running.set()
     watcher.join()
     assert max(seen) > 1
@@ -428,7 +385,7 @@ def test_demo_lone_request_is_speculative_and_equals_generate_chat(demo, capsys)
     story = "Write a short story about a robot who learns to paint."
     assert cli.main(["generate", str(bundle), "--chat", "--prompt", story, "--max-tokens", "32", "--json"]) == 0
     expected = json.loads(capsys.readouterr().out)
-    reply = server.post({"model": "demo", "max_tokens": 32, "temperature": 0, "messages": ask(story)})
+    reply = post(server, {"model": "demo", "max_tokens": 32, "temperature": 0, "messages": ask(story)})
     assert reply["choices"][0]["message"]["content"] == expected["text"]
     stats = reply["glimmer"]
     assert stats["batched_tokens"] == 0 and stats["batch_size"] == 1 and stats["drafter"] == "dflash"
