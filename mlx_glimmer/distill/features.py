@@ -101,7 +101,7 @@ class TorchFeatures:
             while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= self.batch_tokens:
                 end += 1
             group = order[start:end]
-            for i, (f, h) in zip(group, self.target.features([sequences[i] for i in group], final=True)):
+            for i, (f, h) in zip(group, self.target.features([sequences[i] for i in group])):
                 out[i] = (f.to(dtype=torch.float16).numpy(), h.to(dtype=torch.float16).numpy())
             start = end
         return out

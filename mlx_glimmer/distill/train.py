@@ -180,8 +180,8 @@ class Trainer:
         self.sequences = [r["prompt_ids"] + r["response_ids"] for r in kept]
         self.prompt_lens = [len(r["prompt_ids"]) for r in kept]
         tags = config.train_tags
-        self.trained = None if tags is None else [i for i, r in enumerate(kept) if r.get("tag") in tags]
-        if self.trained == []:
+        self.trained = [i for i, r in enumerate(kept) if tags is None or r.get("tag") in tags]  # drawn for steps
+        if not self.trained and tags is not None:
             raise GlimmerError(f"--train-tags {','.join(tags)}: no answer has one of these tags")
         vocab, self.vocab_coverage = draft_vocabulary(kept, mask_token_id, config.draft_vocab_size)
         self.draft_vocab = mx.array(vocab, dtype=mx.int32)
@@ -299,9 +299,8 @@ class Trainer:
         for r, i in enumerate(indices):
             seq, lp = np.array(self.sequences[i]), self.prompt_lens[i]
             T = len(seq)
-            ctx[r, :T] = (
-                self.features.get(i) if self.feature_scale is None else self.features.get(i) / self.feature_scale
-            )
+            feats = self.features.get(i)
+            ctx[r, :T] = feats if self.feature_scale is None else feats / self.feature_scale
             candidates = np.arange(lp, T - 1)
             n = min(A, len(candidates))
             a = np.sort(rng.choice(candidates, size=n, replace=False))
@@ -317,10 +316,9 @@ class Trainer:
 
     def next_indices(self) -> list[int]:
         out = []
-        pool = len(self.sequences) if self.trained is None else self.trained
-        while len(out) < min(self.config.sequences_per_step, len(self.sequences if self.trained is None else pool)):
-            if not self.order:
-                self.order = [int(i) for i in self.rng.permutation(pool)]
+        while len(out) < min(self.config.sequences_per_step, len(self.trained)):
+            if not self.order:  # permutation of [0..n) draws as permutation(n) does: the same stream as before
+                self.order = [int(i) for i in self.rng.permutation(self.trained)]
             out.append(self.order.pop())
         return out
 

@@ -115,6 +115,12 @@ class ServerMetrics:
         return self.committed_by_rounds / self.target_forwards if self.target_forwards else 0.0
 
 
+def by_label(label: str, values: dict, empty, zero: float = 0) -> list[tuple[str, float]]:
+    """One sample per key of `values` (sorted), labelled `label`; with no keys yet, one `zero` sample at `empty`,
+    so the series exists from the first scrape."""
+    return [(f'{{{label}="{k}"}}', v) for k, v in sorted(values.items())] or [(f'{{{label}="{empty}"}}', zero)]
+
+
 def metrics_text(
     metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int, uptime_s: float
 ) -> str:
@@ -135,7 +141,7 @@ def metrics_text(
         "requests_total",
         "counter",
         "requests finished, by finish reason",
-        [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{finish_reason="stop"}', 0)],
+        by_label("finish_reason", m.requests, "stop"),
     )
     metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
     metric("queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
@@ -157,7 +163,7 @@ def metrics_text(
         "batched_steps_total",
         "counter",
         "batched target forwards, by batch size",
-        [(f'{{batch_size="{k}"}}', v) for k, v in sorted(m.batched_steps.items())] or [('{batch_size="2"}', 0)],
+        by_label("batch_size", m.batched_steps, 2),
     )
     metric("batched_tokens_total", "counter", "tokens of finished requests decoded in a batch", m.batched_tokens)
     metric(
@@ -170,8 +176,7 @@ def metrics_text(
         "batched_tokens_per_second",
         "gauge",
         "measured throughput of batched steps, all requests together, by batch size",
-        [(f'{{batch_size="{k}"}}', float(v)) for k, v in sorted(m.batched_tokens_per_second.items())]
-        or [('{batch_size="2"}', 0.0)],
+        by_label("batch_size", {k: float(v) for k, v in m.batched_tokens_per_second.items()}, 2, 0.0),
     )
     metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
     metric("prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
@@ -202,13 +207,13 @@ def metrics_text(
         "block_size_requests_total",
         "counter",
         "requests by draft block width",
-        [(f'{{block_size="{k}"}}', v) for k, v in sorted(m.block_sizes.items())] or [('{block_size="1"}', 0)],
+        by_label("block_size", m.block_sizes, 1),
     )
     metric(
         "rounds_by_committed_tokens_total",
         "counter",
         "verify rounds by tokens committed (acceptance histogram)",
-        [(f'{{committed="{k}"}}', v) for k, v in sorted(m.acceptance.items())] or [('{committed="1"}', 0)],
+        by_label("committed", m.acceptance, 1),
     )
     metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
     metric(

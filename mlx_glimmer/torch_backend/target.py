@@ -119,9 +119,9 @@ class TorchTarget:
         return out.last_hidden_state[0], feats
 
     @torch.inference_mode()
-    def features(self, sequences: list[list[int]], final: bool = False) -> list:
-        """The captured layers' outputs for several whole sequences in one batched forward: one [L_i, k*H] each
-        (with `final`, each with its [L_i, H] final hidden states: (features, hidden) pairs).
+    def features(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The captured layers' outputs and the final hidden states of several whole sequences in one batched
+        forward: one ([L_i, k*H], [L_i, H]) pair each.
 
         Rows are right-padded: under causal attention a real position never sees the padding after it."""
         width = max(len(s) for s in sequences)
@@ -132,9 +132,7 @@ class TorchTarget:
             feats = torch.cat([self._recording[i] for i in self.layer_ids], dim=-1)
         finally:
             self._recording = None
-        if final:
-            return [(feats[r, : len(s)], hidden[r, : len(s)]) for r, s in enumerate(sequences)]
-        return [feats[r, : len(s)] for r, s in enumerate(sequences)]
+        return [(feats[r, : len(s)], hidden[r, : len(s)]) for r, s in enumerate(sequences)]
 
     def head_rows(self, ids: torch.Tensor):
         """The output head over the vocabulary rows `ids` only (a distilled drafter's draft vocabulary)."""
