@@ -1,4 +1,5 @@
-"""`mlx-glimmer serve` in a process of its own, as the server tests start it: ready once it prints its address."""
+"""How the server tests reach a server: `mlx-glimmer serve` in a process of its own (ready once it prints its
+address), and a worker job's events collected into its answer."""
 
 from __future__ import annotations
 
@@ -70,3 +71,18 @@ class ServeProcess:
         self.stop()
         assert self.proc.returncode is not None
         assert "Traceback" not in "".join(self.log), "".join(self.log)
+
+
+def collect(events: queue.Queue, timeout: float = 300):
+    """A submitted job's answer: its streamed text and its `Finished` event (a `Failed` one fails the test)."""
+    from mlx_glimmer.server.worker import Delta, Failed, Finished
+
+    text = []
+    while True:
+        e = events.get(timeout=timeout)
+        if isinstance(e, Delta):
+            text.append(e.text)
+        elif isinstance(e, Finished):
+            return "".join(text), e
+        elif isinstance(e, Failed):
+            raise AssertionError(e.message)

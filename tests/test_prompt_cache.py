@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
+from serving import collect
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, GenerationSettings, SamplingParams
@@ -45,15 +46,7 @@ def request(prompt_tokens, stop=(), **settings) -> GenerationRequest:
 def run(worker, **fields):
     events: queue.Queue = queue.Queue()
     worker.submit(Job(request(**fields), events.put))
-    text = []
-    while True:
-        e = events.get(timeout=120)
-        if isinstance(e, Delta):
-            text.append(e.text)
-        elif isinstance(e, Finished):
-            return "".join(text), e
-        elif isinstance(e, Failed):
-            raise AssertionError(e.message)
+    return collect(events, timeout=120)
 
 
 def cold(pair, prompt, **kwargs):

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from serving import ServeProcess
+from serving import ServeProcess, collect
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
@@ -29,7 +29,7 @@ from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.server.batch import BatchPolicy, batch_support, explain_batched_divergence
 from mlx_glimmer.server.metrics import metrics_text
 from mlx_glimmer.server.prompt_cache import Conversation
-from mlx_glimmer.server.worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job
+from mlx_glimmer.server.worker import Delta, Finished, GenerationRequest, GenerationWorker, Job
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError
 from mlx_glimmer.torch_backend.parity import mlx_dtype
 
@@ -51,18 +51,6 @@ def submit(worker, prompt, stop=(), **settings) -> queue.Queue:
     events.job = Job(GenerationRequest(list(prompt), GenerationSettings.of(**settings), list(stop)), events.put)
     worker.submit(events.job)
     return events
-
-
-def collect(events: queue.Queue) -> tuple[str, Finished]:
-    text = []
-    while True:
-        e = events.get(timeout=300)
-        if isinstance(e, Delta):
-            text.append(e.text)
-        elif isinstance(e, Finished):
-            return "".join(text), e
-        elif isinstance(e, Failed):
-            raise AssertionError(e.message)
 
 
 def together(worker, prompts, **settings) -> list[tuple[str, Finished]]:
