@@ -373,9 +373,9 @@ def step_hidden(tr, batch, forward: str):
     seen = {}
     original = TS.head_cross_entropy
 
-    def recording(h, head, labels, weights):
+    def recording(h, head, labels, weights, *soft):
         seen["h"], seen["head"] = h.detach(), head
-        return original(h, head, labels, weights)
+        return original(h, head, labels, weights, *soft)
 
     TS.head_cross_entropy = recording
     try:
