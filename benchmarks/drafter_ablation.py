@@ -171,6 +171,23 @@ def reference(name: str, what: str, accept_prompts: int) -> dict:
     return {"arm": name, "what": what, "flags": None, "steps": None, **measures(tf, acc), **where}
 
 
+def table(summary: dict) -> str:
+    """The summary as the markdown table benchmarks/README.md shows."""
+    lines = [
+        "| arm | what | steps | held-out TF accuracy k=1 / 2 / 3 | loss train / held-out | tokens per forward "
+        "(prompts) | first draft accepted | equal plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        tf = " / ".join(f"{a:.1%}" for a in r["heldout_tf_accuracy"][:3])
+        loss = f"{r.get('train_loss') or '-'} / {r['heldout_loss']}"
+        lines.append(
+            f"| `{r['arm']}` | {r['what']} | {r['steps'] or '-'} | {tf} | {loss} | {r['tokens_per_forward']:.3f} "
+            f"({r['acceptance_prompts']}) | {r['first_draft_accepted']:.1%} | {r['outputs_equal_plain_greedy']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -179,7 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=3_840_000, help="nominal supervised block positions per arm")
     ap.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for real acceptance (default 8)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drafter_ablation.json"))
+    ap.add_argument("--table", action="store_true", help="print the summary in --out as a markdown table and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return 0
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
