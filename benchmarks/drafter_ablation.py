@@ -7,8 +7,10 @@ Every arm trains a demo drafter with `mlx-glimmer distill --train-only` on the s
 (benchmarks/distill/demo2, unpacked into runs/demo2/data per its README) and the same target features
 (runs/demo2/features, shared by links), from the same seed, for the same nominal number of supervised
 block positions: steps x answers per step x anchors x (block - 1), so an arm with 4x the anchors runs
-a quarter of the steps. Nothing is selected during training (one evaluation, at the end, which
-`distill` exports). Then, for the exported drafter:
+a quarter of the steps. By default nothing is selected during training (one evaluation, at the end, which
+`distill` exports); `--evals K` evaluates K times, evenly spaced (the scaling curve's points, one line per
+arm: `python benchmarks/scaling_curve.py runs/ablation/ARM-BUDGET ...`), and `distill` exports the best
+of them by its own selection on the first 4 held-out prompts. Then, for the exported drafter:
 
 - held-out teacher-forced accuracy per block position on the target's greedy answers to all 75
   held-out prompts (`drafter_diagnosis.py --parts b`: the training step's own forward, cheap and
@@ -18,7 +20,8 @@ a quarter of the steps. Nothing is selected during training (one evaluation, at 
 - the training loss (mean of the last 100 steps' progress lines).
 
 Each arm's run directory is runs/ablation/ARM-BUDGET; each arm's results are
-benchmarks/results/ablation/ARM-BUDGET_{heldout_tf,acceptance}.json; the summary (one row per arm, with
+benchmarks/results/ablation/ARM-BUDGET_{heldout_tf,acceptance}.json, with its training log's progress
+lines in ARM-BUDGET_train.log; the summary (one row per arm, with
 the commands that wrote them) is `--out`. Re-running skips what is done (training resumes from its
 checkpoint). Runs one arm at a time: the machine's cores are the trainer's.
 """
@@ -91,7 +94,7 @@ def train_loss(log: Path) -> float | None:
     return round(sum(losses[-4:]) / len(losses[-4:]), 4) if losses else None
 
 
-def arm(name: str, budget: int, accept_prompts: int) -> dict:
+def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
     extra, what = ARMS[name]
     if extra is None:
         return reference(name, what, accept_prompts)
@@ -102,13 +105,15 @@ def arm(name: str, budget: int, accept_prompts: int) -> dict:
     tag = out.name
     distill = [
         str(Path(sys.executable).parent / "mlx-glimmer"), "distill", "--out", str(out.relative_to(ROOT)),
-        *flags, "--steps", str(steps), "--eval-every", str(steps),
+        *flags, "--steps", str(steps), "--eval-every", str(max(1, steps // evals)),
     ]  # fmt: skip
     log = out / "train.log"
     if not (out / "drafter" / "model.safetensors").is_file():
         tic = time.perf_counter()
         run(distill, log)
         (out / "train_seconds.txt").write_text(f"{time.perf_counter() - tic:.0f}\n")
+    kept_log = RESULTS / f"{tag}_train.log"  # the progress lines a figure quoted from training comes from
+    kept_log.write_text("".join(line for line in log.open() if line.startswith("[")))
     tf, acc, where = diagnose(out / "drafter", tag, accept_prompts, out / "diagnosis.log")
     train_log = json.loads((out / "log.json").read_text())
     return {
@@ -120,11 +125,16 @@ def arm(name: str, budget: int, accept_prompts: int) -> dict:
         "train_loss": train_loss(log),
         **measures(tf, acc),
         "distill_eval": train_log["exported"],
+        "evaluations": [
+            {k: e.get(k) for k in ("step", "target_tokens_seen", "mean_acceptance", "block_positions_per_second")}
+            for e in train_log["evaluations"]
+        ],
+        "run": str(out.relative_to(ROOT)),
         "train_seconds": int((out / "train_seconds.txt").read_text())
         if (out / "train_seconds.txt").is_file()
         else None,
         "commands": {"train": " ".join(["mlx-glimmer", *distill[1:]]), **where["commands"]},
-        "results": where["results"],
+        "results": [*where["results"], str(kept_log.relative_to(ROOT))],
     }
 
 
@@ -195,12 +205,17 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--budget", type=int, default=3_840_000, help="nominal supervised block positions per arm")
     ap.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for real acceptance (default 8)")
+    ap.add_argument(
+        "--evals", type=int, default=1, help="held-out evaluations per arm, evenly spaced (default 1: at the end)"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drafter_ablation.json"))
     ap.add_argument("--table", action="store_true", help="print the summary in --out as a markdown table and exit")
     args = ap.parse_args(argv)
     if args.table:
         print(table(json.loads(Path(args.out).read_text())))
         return 0
+    if args.evals < 1:
+        ap.error(f"--evals {args.evals}: at least 1")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
@@ -211,7 +226,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     summary = json.loads(out.read_text()) if out.is_file() else {"rows": []}
     for name in args.arms:
-        row = arm(name, args.budget, args.accept_prompts)
+        row = arm(name, args.budget, args.accept_prompts, args.evals)
         summary["rows"] = [r for r in summary["rows"] if (r["arm"], r["steps"]) != (name, row["steps"])] + [row]
         summary["command"] = "python benchmarks/drafter_ablation.py " + " ".join(sys.argv[1:])
         out.write_text(json.dumps(summary, indent=2))

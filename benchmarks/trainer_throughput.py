@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_glimmer
+from mlx_glimmer.block_policy import chip_name
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
 from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures, stored_sequences
@@ -84,7 +85,13 @@ def linked_features(features: Path, records: list[dict], pair, run_dir: Path):
 
 
 def write_report(report: dict, out: str) -> None:
-    report["machine"] = {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()}
+    report["machine"] = {
+        "cpu": chip_name(),
+        # bfloat16 matmuls run on AMX tiles where the CPU has them: the step's speed depends on it
+        "amx": "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else False,
+        "cpus": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

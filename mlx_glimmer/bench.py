@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .block_policy import describe
+from .block_policy import chip_name, describe
 from .errors import GlimmerError
 from .flags import add_drafter_flags, nonnegative_int, positive_int
 from .paths import DATA_DIR
@@ -66,23 +65,7 @@ def median_speedup(method: list[float], plain: list[float]) -> float:
 def device_name() -> str:
     import mlx.core as mx
 
-    if sys.platform == "darwin":
-        try:
-            chip = subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
-            ).stdout.strip()
-        except OSError:
-            chip = platform.machine()
-    else:
-        chip = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    chip = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return f"{chip} ({mx.default_device()})"
+    return f"{chip_name()} ({mx.default_device()})"
 
 
 def environment(pair) -> dict:
