@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "runs" / "demo2"
 RESULTS = ROOT / "benchmarks" / "results" / "ablation"
@@ -62,7 +64,11 @@ ARMS = {
     "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
     "lr2x": (["--lr", "1.2e-3"], "peak learning rate 1.2e-3 instead of 6e-4"),
     "anchors256": (["--anchors", "256"], "256 blocks per answer per step instead of 64 (a quarter of the steps)"),
+    # prompt diversity at an equal token count: a subset of the answers each (see `subset_positions`)
+    "prompts1x": ([], "greedy + T=0.8 answers to the 1,728 prompts that have both (3,456 answers)"),
+    "prompts2x": ([], "greedy answers to 3,456 distinct prompts: twice the prompts, the same answer count"),
 }
+SUBSET_ARMS = ("prompts1x", "prompts2x")
 
 
 def flag(flags: list[str], name: str, default: str) -> str:
@@ -74,10 +80,57 @@ def flag(flags: list[str], name: str, default: str) -> str:
 def run_dir(name: str, budget: int) -> Path:
     out = ROOT / "runs" / "ablation" / f"{name}-{budget // 1000}k"
     out.mkdir(parents=True, exist_ok=True)
+    if name in SUBSET_ARMS:
+        write_subset(out, subset_positions(DATA / "data" / "responses.jsonl")[name])
+        return out
     for link in ("data", "features"):
         if not (out / link).exists():
             os.symlink(DATA / link, out / link)
     return out
+
+
+def subset_positions(responses: Path) -> dict[str, list[int]]:
+    """Line numbers in responses.jsonl of each prompt-diversity arm's answers. `prompts1x`: the greedy and the
+    T=0.8 answer of every prompt that has both; `prompts2x`: the greedy answers of those prompts and of as many
+    other prompts again (the first in file order), so twice the distinct prompts for the same number of answers
+    (and, answers being of like length, about the same tokens: each run's log.json counts them). Second turns
+    are left out of both."""
+    records = [json.loads(line) for line in responses.read_text().splitlines()]
+    sampled = {r["index"] for r in records if r["tag"] == "t0.8"}
+    few = [i for i, r in enumerate(records) if r["index"] in sampled and r["tag"] in ("greedy", "t0.8")]
+    both_greedy = [i for i, r in enumerate(records) if r["index"] in sampled and r["tag"] == "greedy"]
+    others = [i for i, r in enumerate(records) if r["index"] not in sampled and r["tag"] == "greedy"]
+    return {"prompts1x": few, "prompts2x": sorted(both_greedy + others[: len(few) - len(both_greedy)])}
+
+
+def write_subset(out: Path, keep: list[int]) -> None:
+    """OUT/data with only the answers on lines `keep`, and OUT/features with their rows of the shared store
+    (every answer of demo2 has >= 2 tokens, so store row i is line i); features.json last, so an interrupted
+    copy is redone."""
+    (out / "data").mkdir(exist_ok=True)
+    for name in ("prompts.jsonl", "instructions.jsonl"):
+        (out / "data" / name).write_bytes((DATA / "data" / name).read_bytes())
+    lines = (DATA / "data" / "responses.jsonl").read_text().splitlines(keepends=True)
+    (out / "data" / "responses.jsonl").write_text("".join(lines[i] for i in keep))
+    src, dst = DATA / "features", out / "features"
+    if (dst / "features.json").is_file():
+        return
+    dst.mkdir(exist_ok=True)
+    meta = json.loads((src / "features.json").read_text())
+    lengths = meta["lengths"]
+    if len(lengths) != len(lines) or meta["done"] != len(lines):
+        raise SystemExit(f"{src}: the shared store must hold every answer's features first (run an arm like scratch)")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for name in ["features.f16"] + (["teacher.f16"] if meta.get("teacher") else []):
+        data = np.memmap(src / name, dtype=np.float16, mode="r")
+        data = data.reshape(int(offsets[-1]), -1)
+        rows = np.memmap(dst / name, dtype=np.float16, mode="w+", shape=(sum(lengths[i] for i in keep), data.shape[1]))
+        at = 0
+        for i in keep:
+            rows[at : at + lengths[i]] = data[offsets[i] : offsets[i + 1]]
+            at += lengths[i]
+        rows.flush()
+    (dst / "features.json").write_text(json.dumps({**meta, "lengths": [lengths[i] for i in keep], "done": len(keep)}))
 
 
 def run(cmd: list[str], log: Path) -> None:
