@@ -64,6 +64,11 @@ ARMS = {
     "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
     "lr2x": (["--lr", "1.2e-3"], "peak learning rate 1.2e-3 instead of 6e-4"),
     "anchors256": (["--anchors", "256"], "256 blocks per answer per step instead of 64 (a quarter of the steps)"),
+    # the screening winners together (layers4, greedy, lr2x)
+    "combined": (
+        ["--layers", "4", "--train-tags", "greedy,followup", "--lr", "1.2e-3"],
+        "4 layers, greedy answers and second turns only, peak learning rate 1.2e-3",
+    ),
     # prompt diversity at an equal token count: a subset of the answers each (see `subset_positions`)
     "prompts1x": ([], "greedy + T=0.8 answers to the 1,728 prompts that have both (3,456 answers)"),
     "prompts2x": ([], "greedy answers to 3,456 distinct prompts: twice the prompts, the same answer count"),
