@@ -111,15 +111,15 @@ def subset_positions(responses: Path) -> dict[str, list[int]]:
 def write_subset(out: Path, keep: list[int]) -> None:
     """OUT/data with only the answers on lines `keep`, and OUT/features with their rows of the shared store
     (every answer of demo2 has >= 2 tokens, so store row i is line i); features.json last, so an interrupted
-    copy is redone."""
+    copy is redone (and a finished one is left as it is)."""
+    src, dst = DATA / "features", out / "features"
+    if (dst / "features.json").is_file():
+        return
     (out / "data").mkdir(exist_ok=True)
     for name in ("prompts.jsonl", "instructions.jsonl"):
         (out / "data" / name).write_bytes((DATA / "data" / name).read_bytes())
     lines = (DATA / "data" / "responses.jsonl").read_text().splitlines(keepends=True)
     (out / "data" / "responses.jsonl").write_text("".join(lines[i] for i in keep))
-    src, dst = DATA / "features", out / "features"
-    if (dst / "features.json").is_file():
-        return
     dst.mkdir(exist_ok=True)
     meta = json.loads((src / "features.json").read_text())
     lengths = meta["lengths"]
