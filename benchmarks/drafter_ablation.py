@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_glimmer.distill.run import export
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "runs" / "demo2"
 RESULTS = ROOT / "benchmarks" / "results" / "ablation"
@@ -64,10 +66,16 @@ ARMS = {
     "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
     "lr2x": (["--lr", "1.2e-3"], "peak learning rate 1.2e-3 instead of 6e-4"),
     "anchors256": (["--anchors", "256"], "256 blocks per answer per step instead of 64 (a quarter of the steps)"),
+    "mlp2x": (["--mlp-width", "2"], "each layer's MLP twice the target's width (3,072 instead of 1,536)"),
     # the screening winners together (layers4, greedy, lr2x)
     "combined": (
         ["--layers", "4", "--train-tags", "greedy,followup", "--lr", "1.2e-3"],
         "4 layers, greedy answers and second turns only, peak learning rate 1.2e-3",
+    ),
+    # not an equal-budget row: the chain's drafter plus one screening budget of the greedy lever
+    "chain+greedy": (
+        ["--init", "mlx_glimmer/data/demo_drafter", "--train-tags", "greedy,followup"],
+        "the shipped drafter fine-tuned on greedy answers and second turns only (the chain's budget plus this one)",
     ),
     # prompt diversity at an equal token count: a subset of the answers each (see `subset_positions`)
     "prompts1x": ([], "greedy + T=0.8 answers to the 1,728 prompts that have both (3,456 answers)"),
@@ -172,8 +180,12 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
         (out / "train_seconds.txt").write_text(f"{time.perf_counter() - tic:.0f}\n")
     kept_log = RESULTS / f"{tag}_train.log"  # the progress lines a figure quoted from training comes from
     kept_log.write_text("".join(line for line in log.open() if line.startswith("[")))
-    tf, acc, where = diagnose(out / "drafter", tag, accept_prompts, out / "diagnosis.log")
     train_log = json.loads((out / "log.json").read_text())
+    drafter = out / "drafter"
+    if train_log["exported"]["step"] == 0:  # a warm start's own starting point won distill's 4-prompt pick
+        drafter = out / "drafter-last"  # the row measures what the arm trained: its last checkpoint
+        export(out / f"step{steps:06d}", drafter)
+    tf, acc, where = diagnose(drafter, tag, accept_prompts, out / "diagnosis.log")
     return {
         "arm": name,
         "what": what,
@@ -183,6 +195,7 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
         "train_loss": train_loss(log),
         **measures(tf, acc),
         "distill_eval": train_log["exported"],
+        "measured_drafter": str(drafter.relative_to(ROOT)),
         "evaluations": [
             {k: e.get(k) for k in ("step", "target_tokens_seen", "mean_acceptance", "block_positions_per_second")}
             for e in train_log["evaluations"]

@@ -239,6 +239,7 @@ DISTILL_EXAMPLES = [
     (["--answer-tokens", "-5"], "argument --answer-tokens: must be >= 1, got -5"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["--mlp-width", "0"], "argument --mlp-width: must be a finite number > 0, got 0.0"),
     (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
     (["--lr", "-1"], "argument --lr: must be a finite number > 0"),
     (["--context-layers", "99"], "--context-layers must be in [1, 3] for a 6-layer target, got 99"),

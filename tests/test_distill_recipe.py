@@ -3,11 +3,14 @@ RMS, and what it saves reads raw features exactly as the trained one read the sc
 (steps draw only answers with those tags, the features cover all) and `soft_labels` (each label mixes the
 answer's token with the target's own next-token distribution, from its stored final hidden states)."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+import mlx_glimmer
 from mlx_glimmer.distill.train import TrainConfig, Trainer, block_forward, target_features
 from mlx_glimmer.drafters.dflash import DFlashModel
 from mlx_glimmer.errors import GlimmerError
@@ -175,3 +178,16 @@ def test_a_store_without_final_hidden_states_is_recomputed_for_soft_labels_and_k
     assert (features / "teacher.f16").is_file()
     again = trainer(llama_pair, records, tmp_path / "run")  # hard labels: the store serves it as it is
     assert again.features.done == len(records) and again.features.teacher
+
+
+def test_a_wider_mlp_is_saved_with_its_width_and_drafts_losslessly(llama_pair, records, tmp_path):
+    tr = trainer(llama_pair, records, tmp_path / "run", mlp_width=2.0, steps=5)
+    target_width = int(llama_pair.target.args.intermediate_size)
+    assert tr.model.layers[0].mlp.down_proj.weight.shape[1] == 2 * target_width
+    tr.train()
+    tr.save(tmp_path / "wide")
+    assert json.loads((tmp_path / "wide" / "config.json").read_text())["intermediate_size"] == 2 * target_width
+    pair = mlx_glimmer.load(target=llama_pair.target_path, drafter=tmp_path / "wide")
+    prompt = [256] + list(b"a wider drafter")
+    plain = mlx_glimmer.generate(pair, prompt, max_tokens=40, speculative=False)
+    assert mlx_glimmer.generate(pair, prompt, max_tokens=40).token_ids == plain.token_ids

@@ -86,6 +86,13 @@ def add_distill_parser(sub) -> None:
         help=f"drafter layers, 1 to the target's layer count (default {d.layers})",
     )
     p.add_argument(
+        "--mlp-width",
+        type=positive_float,
+        default=d.mlp_width,
+        help="each drafter layer's MLP hidden size as a multiple of the target's intermediate size: capacity "
+        f"without depth (a layer's cost grows with it; 2 doubles the MLP) (default {d.mlp_width:g})",
+    )
+    p.add_argument(
         "--context-layers",
         type=positive_int,
         default=d.context_layers,

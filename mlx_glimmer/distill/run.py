@@ -153,6 +153,7 @@ def cmd_distill(args, open_pair) -> int:
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = TrainConfig(
         layers=args.layers,
+        mlp_width=args.mlp_width,
         context_layers=args.context_layers,
         anchors=args.anchors,
         steps=args.steps,

@@ -59,7 +59,7 @@ def drafter_config_for(
     heads = int(args.num_attention_heads)
     return DrafterConfig(
         hidden_size=target.hidden_size,
-        intermediate_size=int(args.intermediate_size),
+        intermediate_size=max(1, round(int(args.intermediate_size) * train.mlp_width)),
         num_hidden_layers=train.layers,
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(args, "num_key_value_heads", heads) or heads),
