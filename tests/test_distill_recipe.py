@@ -103,6 +103,13 @@ def test_steps_draw_only_the_answers_with_the_chosen_tags(llama_pair, records, t
     assert len(tr.features.lengths) == len(records)  # one feature store for every answer, whatever is trained
 
 
+def test_tokens_seen_count_the_answers_steps_draw_from(llama_pair, records, tmp_path):
+    varied = [dict(r, response_ids=r["response_ids"][: 8 + 6 * i]) for i, r in enumerate(records)]
+    tr = trainer(llama_pair, varied, tmp_path / "run", train_tags=("greedy",))
+    greedy = [len(r["response_ids"]) for r in varied if r["tag"] == "greedy"]
+    assert tr.answer_tokens_per_draw == sum(greedy) / len(greedy) != sum(len(r["response_ids"]) for r in varied) / 4
+
+
 def test_tags_no_answer_has_are_one_clear_error(llama_pair, records, tmp_path):
     with pytest.raises(GlimmerError, match="--train-tags followup"):
         trainer(llama_pair, records, tmp_path / "run", train_tags=("followup",))

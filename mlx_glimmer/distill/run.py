@@ -209,7 +209,7 @@ def cmd_distill(args, open_pair) -> int:
                 "mean_acceptance": report.mean,
                 "per_prompt": report.per_prompt,
                 "sequences_seen": seen,
-                "target_tokens_seen": round(seen * n_tokens / max(len(records), 1)),
+                "target_tokens_seen": round(seen * tr.answer_tokens_per_draw),  # of the answers steps draw from
                 "block_positions_per_second": getattr(tr, "positions_per_second", None),
             }
         ]

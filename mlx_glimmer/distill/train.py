@@ -183,6 +183,9 @@ class Trainer:
         self.trained = [i for i, r in enumerate(kept) if tags is None or r.get("tag") in tags]  # drawn for steps
         if not self.trained and tags is not None:
             raise GlimmerError(f"--train-tags {','.join(tags)}: no answer has one of these tags")
+        self.answer_tokens_per_draw = sum(len(kept[i]["response_ids"]) for i in self.trained) / max(
+            len(self.trained), 1
+        )
         vocab, self.vocab_coverage = draft_vocabulary(kept, mask_token_id, config.draft_vocab_size)
         self.draft_vocab = mx.array(vocab, dtype=mx.int32)
         self.to_draft = np.full(target.vocab_size, -1, dtype=np.int64)

@@ -1,0 +1,119 @@
+"""The recipe ablations' scaling curve: held-out accuracy and acceptance against supervised block positions,
+one line per arm, from the summary `drafter_ablation.py` writes. JSON + PNG.
+
+    python benchmarks/ablation_curve.py [--summary benchmarks/results/drafter_ablation.json]
+        [--out benchmarks/results/ablation_curve]
+
+Left panel: teacher-forced accuracy at block position 1 on the target's greedy answers to all 75 held-out
+prompts, one point per row (an arm run at the screening budget and at 3x it is a line of two points).
+Right panel: the held-out acceptance `distill` measured during each run (tokens per target forward on its
+first 4 held-out prompts x 96 tokens), one line per row with more than one evaluation (`--evals K`). The
+shipped drafter (`chain`, trained by a chain of fine-tunes, not at a known equal budget) is a dashed line.
+Needs matplotlib for the PNG (`pip install -e ".[bench]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def curves(summary: dict) -> dict:
+    """Per arm: its rows' (block positions, TF accuracy at position 1, tokens per forward), and per row its
+    in-run evaluations as (block positions, distill's held-out acceptance)."""
+    arms: dict[str, dict] = {}
+    reference = None
+    for row in summary["rows"]:
+        if row["steps"] is None:
+            reference = {"arm": row["arm"], "tf_accuracy_1": row["heldout_tf_accuracy"][0]}
+            continue
+        per_step = row["nominal_block_positions"] / row["steps"]
+        entry = arms.setdefault(row["arm"], {"arm": row["arm"], "what": row["what"], "rows": [], "runs": []})
+        entry["rows"].append(
+            {
+                "block_positions": row["nominal_block_positions"],
+                "tf_accuracy_1": row["heldout_tf_accuracy"][0],
+                "tokens_per_forward": row["tokens_per_forward"],
+                "acceptance_prompts": row["acceptance_prompts"],
+            }
+        )
+        evaluations = [e for e in row.get("evaluations", []) if e.get("mean_acceptance") is not None]
+        if len(evaluations) > 1:
+            entry["runs"].append(
+                {
+                    "run": row["run"],
+                    "points": [
+                        {"block_positions": round(e["step"] * per_step), "mean_acceptance": e["mean_acceptance"]}
+                        for e in sorted(evaluations, key=lambda e: e["step"])
+                    ],
+                }
+            )
+    for entry in arms.values():
+        entry["rows"].sort(key=lambda r: r["block_positions"])
+    return {"reference": reference, "arms": list(arms.values())}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for entry in report["arms"]:
+        xs = [r["block_positions"] / 1e6 for r in entry["rows"]]
+        (line,) = left.plot(xs, [100 * r["tf_accuracy_1"] for r in entry["rows"]], marker="o", label=entry["arm"])
+        for run in entry["runs"]:
+            right.plot(
+                [p["block_positions"] / 1e6 for p in run["points"]],
+                [p["mean_acceptance"] for p in run["points"]],
+                marker="o",
+                color=line.get_color(),
+                label=run["run"].rsplit("/", 1)[-1],
+            )
+    if report["reference"]:
+        left.axhline(
+            100 * report["reference"]["tf_accuracy_1"], color="grey", linestyle="--", label="shipped drafter (chain)"
+        )
+    left.set_ylabel("held-out teacher-forced accuracy at position 1 (%)")
+    right.set_ylabel("held-out tokens per target forward (4 prompts, block 16)")
+    for ax in (left, right):
+        ax.set_xlabel("supervised block positions (millions)")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("Drafter recipe ablations: held-out accuracy against training volume (greedy, chat template)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--summary", default=str(ROOT / "benchmarks" / "results" / "drafter_ablation.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ablation_curve"))
+    args = ap.parse_args(argv)
+    summary_path = Path(args.summary)
+    if not summary_path.is_file():
+        sys.exit(f"error: {summary_path}: no ablation summary (run benchmarks/drafter_ablation.py first)")
+    report = {
+        "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "summary": summary_path.resolve().relative_to(ROOT).as_posix()
+        if summary_path.resolve().is_relative_to(ROOT)
+        else summary_path.name,
+        **curves(json.loads(summary_path.read_text())),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
