@@ -60,6 +60,7 @@ ARMS = {
     # need, which every other arm then reads as it is
     "soft0.5": (["--soft-labels", "0.5"], "labels half the answer's token, half the target's distribution"),
     "scratch": ([], "the shipped recipe from random init on all 1.5M tokens"),
+    "seed1": (["--seed", "1"], "the shipped recipe from random init, another seed: the rows' noise"),
     "soft1": (["--soft-labels", "1"], "labels the target's distribution only (KL to the target)"),
     "channel": (["--context-scale", "channel"], "fc trained on features / per-channel RMS"),
     "layers4": (["--layers", "4"], "4 drafter layers instead of 2"),
