@@ -239,6 +239,8 @@ DISTILL_EXAMPLES = [
     (["--answer-tokens", "-5"], "argument --answer-tokens: must be >= 1, got -5"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["--draft-vocab", "most"], "argument --draft-vocab: must be 'all' or a whole number >= 1, got 'most'"),
+    (["--draft-vocab", "100000"], "--draft-vocab must be in [1, 272] (the target's vocabulary), got 100000"),
     (["--mlp-width", "0"], "argument --mlp-width: must be a finite number > 0, got 0.0"),
     (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
     (["--lr", "-1"], "argument --lr: must be a finite number > 0"),

@@ -4,6 +4,7 @@ loads, and before OUT is created."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 import re
@@ -15,6 +16,21 @@ from ..files import check_model_dir, pair_paths, read_config_json
 from ..flags import nonnegative_int, positive_float, positive_int, seed_arg, unit_float
 from ..paths import DATA_DIR
 from .step import TrainConfig
+
+
+def draft_vocab_arg(text: str) -> int | str:
+    if text == "all":
+        return text
+    if not re.fullmatch(r"[+-]?\d+", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be 'all' or a whole number >= 1, got {text!r}")
+    return positive_int(text)
+
+
+def draft_vocab_size(args) -> int | None:
+    """--draft-vocab as TrainConfig takes it: not given, the recipe's size; 'all', None (every emitted token)."""
+    if args.draft_vocab is None:
+        return TrainConfig().draft_vocab_size
+    return None if args.draft_vocab == "all" else args.draft_vocab
 
 
 def add_distill_parser(sub) -> None:
@@ -138,10 +154,11 @@ def add_distill_parser(sub) -> None:
     )
     p.add_argument(
         "--draft-vocab",
-        type=positive_int,
+        type=draft_vocab_arg,
         default=None,
-        help="draft vocabulary: the N tokens the target emits most, at most its vocabulary (default: every "
-        "emitted token)",
+        help="draft vocabulary: the N tokens the target emits most in the answers (all of them when it emits "
+        "fewer), at most its vocabulary, or 'all': every emitted token. A smaller head trains faster; a "
+        f"token outside it is never drafted, so output stays the target's (default {d.draft_vocab_size})",
     )
     p.add_argument(
         "--init",
@@ -288,7 +305,7 @@ def check_against_target(args, vocab_size: int, num_layers: int) -> None:
         raise GlimmerError(
             f"distill: --layers must be in [1, {num_layers}] (the target's layer count), got {args.layers}"
         )
-    if args.draft_vocab is not None and args.draft_vocab > vocab_size:
+    if isinstance(args.draft_vocab, int) and args.draft_vocab > vocab_size:
         raise GlimmerError(
             f"distill: --draft-vocab must be in [1, {vocab_size}] (the target's vocabulary), got {args.draft_vocab}"
         )

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..errors import GlimmerError
 from ..paths import DATA_DIR
-from .cli import check_against_target, check_distill_flags, pick_backend, temperatures
+from .cli import check_against_target, check_distill_flags, draft_vocab_size, pick_backend, temperatures
 from .data import (
     Answerer,
     MLXAnswerer,
@@ -158,7 +158,7 @@ def cmd_distill(args, open_pair) -> int:
         anchors=args.anchors,
         steps=args.steps,
         sequences_per_step=args.sequences_per_step,
-        draft_vocab_size=args.draft_vocab,
+        draft_vocab_size=draft_vocab_size(args),
         init=args.init,
         learning_rate=args.lr,
         eval_every=args.eval_every,

@@ -24,9 +24,9 @@ class TrainConfig:
     mlp_width: float = 1.0  # drafter MLP hidden size as a multiple of the target's intermediate size
     context_layers: int = 5
     block_size: int = 16
-    anchors: int = 32  # blocks per sequence per step
+    anchors: int = 64  # blocks per sequence per step
     sequences_per_step: int = 4
-    draft_vocab_size: int | None = None  # None: every token the target emitted
+    draft_vocab_size: int | None = 8192  # the most emitted tokens (all when fewer); None: every emitted token
     init: str = "random"  # "random", "target", or a drafter directory to fine-tune
     gamma: float = 7.0
     learning_rate: float = 6e-4
