@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: the CLI reads TrainConfig's defaults with
 
 @dataclass
 class TrainConfig:
-    layers: int = 3
+    layers: int = 4
     mlp_width: float = 1.0  # drafter MLP hidden size as a multiple of the target's intermediate size
     context_layers: int = 5
     block_size: int = 16
