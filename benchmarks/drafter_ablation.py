@@ -75,7 +75,7 @@ ARMS = {
     ),
     # not an equal-budget row: the chain's drafter plus one screening budget of the greedy lever
     "chain+greedy": (
-        ["--init", "mlx_glimmer/data/demo_drafter", "--train-tags", "greedy,followup"],
+        ["--init", str(SHIPPED.relative_to(ROOT)), "--train-tags", "greedy,followup"],
         "the shipped drafter fine-tuned on greedy answers and second turns only (the chain's budget plus this one)",
     ),
     # prompt diversity at an equal token count: a subset of the answers each (see `subset_positions`)
@@ -185,7 +185,8 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
     drafter = out / "drafter"
     if train_log["exported"]["step"] == 0:  # a warm start's own starting point won distill's 4-prompt pick
         drafter = out / "drafter-last"  # the row measures what the arm trained: its last checkpoint
-        export(out / f"step{steps:06d}", drafter)
+        if not (drafter / "model.safetensors").is_file():
+            export(out / f"step{steps:06d}", drafter)
     tf, acc, where = diagnose(drafter, tag, accept_prompts, out / "diagnosis.log")
     return {
         "arm": name,

@@ -21,9 +21,10 @@ from .step import TrainConfig
 def draft_vocab_arg(text: str) -> int | str:
     if text == "all":
         return text
-    if not re.fullmatch(r"[+-]?\d+", text.strip()):
-        raise argparse.ArgumentTypeError(f"must be 'all' or a whole number >= 1, got {text!r}")
-    return positive_int(text)
+    try:
+        return positive_int(text)
+    except ValueError:  # not a whole number (one below 1 is positive_int's own error)
+        raise argparse.ArgumentTypeError(f"must be 'all' or a whole number >= 1, got {text!r}") from None
 
 
 def draft_vocab_size(args) -> int | None:
