@@ -5,7 +5,8 @@ one line per arm, from the summary `drafter_ablation.py` writes. JSON + PNG.
         [--out benchmarks/results/ablation_curve]
 
 Left panel: teacher-forced accuracy at block position 1 on the target's greedy answers to all 75 held-out
-prompts, one point per row (an arm run at the screening budget and at 3x it is a line of two points).
+prompts, one line per training run: a run with `--evals K` is measured at each checkpoint it kept, a
+screening run at its end alone (one point). An arm's runs share a colour.
 Right panel: the held-out acceptance `distill` measured during each run (tokens per target forward on its
 first 4 held-out prompts x 96 tokens), one line per row with more than one evaluation (`--evals K`). The
 shipped drafter (`chain`, trained by a chain of fine-tunes, not at a known equal budget) is a dashed line.
@@ -23,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def curves(summary: dict) -> dict:
-    """Per arm: its rows' (block positions, TF accuracy at position 1, tokens per forward), and per row its
-    in-run evaluations as (block positions, distill's held-out acceptance)."""
+    """Per arm, per row (one training run): its held-out teacher-forced points as (block positions, TF accuracy
+    at positions 1-3, held-out loss), the run's own checkpoints where `--evals K` kept them, else its end alone;
+    the row's tokens per forward; and distill's in-run held-out acceptance as (block positions, acceptance)."""
     arms: dict[str, dict] = {}
     reference = None
     for row in summary["rows"]:
@@ -32,26 +34,30 @@ def curves(summary: dict) -> dict:
             reference = {"arm": row["arm"], "tf_accuracy_1": row["heldout_tf_accuracy"][0]}
             continue
         per_step = row["nominal_block_positions"] / row["steps"]
-        entry = arms.setdefault(row["arm"], {"arm": row["arm"], "what": row["what"], "rows": [], "runs": []})
-        entry["rows"].append(
+        entry = arms.setdefault(row["arm"], {"arm": row["arm"], "what": row["what"], "rows": []})
+        points = row.get("curve") or [
             {
                 "block_positions": row["nominal_block_positions"],
-                "tf_accuracy_1": row["heldout_tf_accuracy"][0],
+                "heldout_tf_accuracy": row["heldout_tf_accuracy"][:3],
+                "heldout_loss": row["heldout_loss"],
+            }
+        ]
+        evaluations = [e for e in row.get("evaluations", []) if e.get("mean_acceptance") is not None]
+        entry["rows"].append(
+            {
+                "run": row["run"],
+                "block_positions": row["nominal_block_positions"],
                 "tokens_per_forward": row["tokens_per_forward"],
                 "acceptance_prompts": row["acceptance_prompts"],
+                "heldout_tf": [
+                    {k: p[k] for k in ("block_positions", "heldout_tf_accuracy", "heldout_loss")} for p in points
+                ],
+                "distill_acceptance": [
+                    {"block_positions": round(e["step"] * per_step), "mean_acceptance": e["mean_acceptance"]}
+                    for e in sorted(evaluations, key=lambda e: e["step"])
+                ],
             }
         )
-        evaluations = [e for e in row.get("evaluations", []) if e.get("mean_acceptance") is not None]
-        if len(evaluations) > 1:
-            entry["runs"].append(
-                {
-                    "run": row["run"],
-                    "points": [
-                        {"block_positions": round(e["step"] * per_step), "mean_acceptance": e["mean_acceptance"]}
-                        for e in sorted(evaluations, key=lambda e: e["step"])
-                    ],
-                }
-            )
     for entry in arms.values():
         entry["rows"].sort(key=lambda r: r["block_positions"])
     return {"reference": reference, "arms": list(arms.values())}
@@ -65,16 +71,24 @@ def plot(report: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     for entry in report["arms"]:
-        xs = [r["block_positions"] / 1e6 for r in entry["rows"]]
-        (line,) = left.plot(xs, [100 * r["tf_accuracy_1"] for r in entry["rows"]], marker="o", label=entry["arm"])
-        for run in entry["runs"]:
-            right.plot(
-                [p["block_positions"] / 1e6 for p in run["points"]],
-                [p["mean_acceptance"] for p in run["points"]],
+        color = None
+        for row in entry["rows"]:
+            (line,) = left.plot(
+                [p["block_positions"] / 1e6 for p in row["heldout_tf"]],
+                [100 * p["heldout_tf_accuracy"][0] for p in row["heldout_tf"]],
                 marker="o",
-                color=line.get_color(),
-                label=run["run"].rsplit("/", 1)[-1],
+                color=color,
+                label=row["run"].rsplit("/", 1)[-1],
             )
+            color = line.get_color()
+            if len(row["distill_acceptance"]) > 1:
+                right.plot(
+                    [p["block_positions"] / 1e6 for p in row["distill_acceptance"]],
+                    [p["mean_acceptance"] for p in row["distill_acceptance"]],
+                    marker="o",
+                    color=color,
+                    label=row["run"].rsplit("/", 1)[-1],
+                )
     if report["reference"]:
         left.axhline(
             100 * report["reference"]["tf_accuracy_1"], color="grey", linestyle="--", label="shipped drafter (chain)"

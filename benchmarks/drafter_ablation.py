@@ -1,6 +1,6 @@
 """Drafter recipe ablations at an equal budget of supervised block positions: one row per arm.
 
-    python benchmarks/drafter_ablation.py [ARM ...] [--budget 3840000] [--accept-prompts 8]
+    python benchmarks/drafter_ablation.py [ARM ...] [--budget 3840000] [--accept-prompts 8] [--evals 1]
         [--out benchmarks/results/drafter_ablation.json]
 
 Every arm trains a demo drafter with `mlx-glimmer distill --train-only` on the same answers
@@ -8,9 +8,10 @@ Every arm trains a demo drafter with `mlx-glimmer distill --train-only` on the s
 (runs/demo2/features, shared by links), from the same seed, for the same nominal number of supervised
 block positions: steps x answers per step x anchors x (block - 1), so an arm with 4x the anchors runs
 a quarter of the steps. By default nothing is selected during training (one evaluation, at the end, which
-`distill` exports); `--evals K` evaluates K times, evenly spaced (the scaling curve's points, one line per
-arm: `python benchmarks/scaling_curve.py runs/ablation/ARM-BUDGET ...`), and `distill` exports the best
-of them by its own selection on the first 4 held-out prompts. Then, for the exported drafter:
+`distill` exports); `--evals K` evaluates K times, evenly spaced, and each kept checkpoint is measured by
+held-out teacher-forced accuracy (the row's `curve`; `python benchmarks/ablation_curve.py` draws them). A
+row measures the arm's last checkpoint (exported to runs/ablation/ARM-BUDGET/drafter-last where `distill`'s
+own pick on its first 4 held-out prompts exported another):
 
 - held-out teacher-forced accuracy per block position on the target's greedy answers to all 75
   held-out prompts (`drafter_diagnosis.py --parts b`: the training step's own forward, cheap and
@@ -20,7 +21,8 @@ of them by its own selection on the first 4 held-out prompts. Then, for the expo
 - the training loss (mean of the last 100 steps' progress lines).
 
 Each arm's run directory is runs/ablation/ARM-BUDGET; each arm's results are
-benchmarks/results/ablation/ARM-BUDGET_{heldout_tf,acceptance}.json, with its training log's progress
+benchmarks/results/ablation/ARM-BUDGET_{heldout_tf,acceptance}.json (and ARM-BUDGET_stepN_heldout_tf.json per
+curve point), with its training log's progress
 lines in ARM-BUDGET_train.log; the summary (one row per arm, with
 the commands that wrote them) is `--out`. Re-running skips what is done (training resumes from its
 checkpoint). Runs one arm at a time: the machine's cores are the trainer's.
@@ -83,6 +85,19 @@ ARMS = {
     "prompts2x": ([], "greedy answers to 3,456 distinct prompts: twice the prompts, the same answer count"),
 }
 SUBSET_ARMS = ("prompts1x", "prompts2x")
+
+
+def with_arm(base: list[str], extra: list[str]) -> list[str]:
+    """`base` with every flag `extra` sets replaced by `extra`'s (so a recorded command names each flag once)."""
+    overridden = {f for f in extra if f.startswith("--")}
+    kept, i = [], 0
+    while i < len(base):
+        takes_value = i + 1 < len(base) and not base[i + 1].startswith("--")
+        item = base[i : i + 2] if takes_value else base[i : i + 1]
+        if item[0] not in overridden:
+            kept += item
+        i += len(item)
+    return kept + extra
 
 
 def flag(flags: list[str], name: str, default: str) -> str:
@@ -165,7 +180,7 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
     extra, what = ARMS[name]
     if extra is None:
         return reference(name, what, accept_prompts)
-    flags = BASE + extra
+    flags = with_arm(BASE, extra)
     per_step = int(flag(flags, "--sequences-per-step", "4")) * int(flag(flags, "--anchors", "64")) * 15
     steps = max(1, round(budget / per_step))
     out = run_dir(name, budget)
@@ -182,12 +197,17 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
     kept_log = RESULTS / f"{tag}_train.log"  # the progress lines a figure quoted from training comes from
     kept_log.write_text("".join(line for line in log.open() if line.startswith("[")))
     train_log = json.loads((out / "log.json").read_text())
+    # the row measures the arm at its budget: the last checkpoint, also where distill's 4-prompt pick exported
+    # another (an earlier evaluation, or a warm start's own starting point)
     drafter = out / "drafter"
-    if train_log["exported"]["step"] == 0:  # a warm start's own starting point won distill's 4-prompt pick
-        drafter = out / "drafter-last"  # the row measures what the arm trained: its last checkpoint
-        if not (drafter / "model.safetensors").is_file():
-            export(out / f"step{steps:06d}", drafter)
+    if train_log["exported"]["step"] != steps:
+        drafter = checkpoint_drafter(out, steps, "drafter-last")
     tf, acc, where = diagnose(drafter, tag, accept_prompts, out / "diagnosis.log")
+    curve = [
+        {"step": step, "block_positions": step * per_step, **curve_point(out, step, tag)}
+        for step in sorted(e["step"] for e in train_log["evaluations"])
+        if 0 < step < steps
+    ] + [{"step": steps, "block_positions": steps * per_step, **curve_measures(tf)}]
     return {
         "arm": name,
         "what": what,
@@ -196,6 +216,7 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
         "nominal_block_positions": steps * per_step,
         "train_loss": train_loss(log),
         **measures(tf, acc),
+        "curve": curve,
         "distill_eval": train_log["exported"],
         "measured_drafter": str(drafter.relative_to(ROOT)),
         "evaluations": [
@@ -211,20 +232,41 @@ def arm(name: str, budget: int, accept_prompts: int, evals: int = 1) -> dict:
     }
 
 
+def checkpoint_drafter(out: Path, step: int, name: str) -> Path:
+    """The checkpoint distill kept at `step`, exported once as a drafter directory the diagnosis loads."""
+    drafter = out / name
+    if not (drafter / "model.safetensors").is_file():
+        export(out / f"step{step:06d}", drafter)
+    return drafter
+
+
+def curve_point(out: Path, step: int, tag: str) -> dict:
+    """Held-out teacher-forced accuracy of an intermediate checkpoint: one point of the arm's scaling curve."""
+    drafter = checkpoint_drafter(out, step, f"curve/step{step:06d}")
+    path = RESULTS / f"{tag}_step{step:06d}_heldout_tf.json"
+    cmd = [*tf_command(drafter), "--out", str(path.relative_to(ROOT))]
+    if not path.is_file():
+        run(cmd, out / "diagnosis.log")
+    point = curve_measures(json.loads(path.read_text())["b_heldout_teacher_forced"])
+    return {**point, "result": str(path.relative_to(ROOT)), "command": " ".join(["python", *cmd[1:]])}
+
+
+def curve_measures(tf: dict) -> dict:
+    return {"heldout_tf_accuracy": tf["accuracy"][:3], "heldout_loss": round(tf["loss"], 4)}
+
+
+def tf_command(drafter: Path) -> list[str]:
+    return [
+        sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT)),
+        "--parts", "b", "--no-f32-variant", "--prompts", "75",
+    ]  # fmt: skip
+
+
 def diagnose(drafter: Path, tag: str, accept_prompts: int, log: Path) -> tuple[dict, dict, dict]:
     """Held-out teacher-forced accuracy (all 75 prompts) and real acceptance (the first `accept_prompts`)."""
     diagnosis = [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT))]
     tf_path, acc_path = RESULTS / f"{tag}_heldout_tf.json", RESULTS / f"{tag}_acceptance.json"
-    tf_cmd = [
-        *diagnosis,
-        "--parts",
-        "b",
-        "--no-f32-variant",
-        "--prompts",
-        "75",
-        "--out",
-        str(tf_path.relative_to(ROOT)),
-    ]
+    tf_cmd = [*tf_command(drafter), "--out", str(tf_path.relative_to(ROOT))]
     acc_cmd = [*diagnosis, "--parts", "c", "--prompts", str(accept_prompts), "--out", str(acc_path.relative_to(ROOT))]
     for cmd, path in ((tf_cmd, tf_path), (acc_cmd, acc_path)):
         if not path.is_file():

@@ -297,6 +297,7 @@ def build_trainer(pair, records, drafter_dir: Path, forward: str, features: str,
     dcfg = pair.drafter.config
     config = TrainConfig(
         layers=dcfg.num_hidden_layers,
+        mlp_width=dcfg.intermediate_size / int(pair.target.args.intermediate_size),
         context_layers=len(dcfg.target_layer_ids),
         block_size=dcfg.block_size,
         anchors=1,
