@@ -6,7 +6,8 @@ one line per arm, from the summary `drafter_ablation.py` writes. JSON + PNG.
 
 Left panel: teacher-forced accuracy at block position 1 on the target's greedy answers to all 75 held-out
 prompts, one line per training run: a run with `--evals K` is measured at each checkpoint it kept, a
-screening run at its end alone (one point). An arm's runs share a colour.
+screening run at its end alone (one point). An arm's runs share a colour; a warm start (hollow square) is
+placed by its own training's positions, not those of the drafter it started from.
 Right panel: the held-out acceptance `distill` measured during each run (tokens per target forward on its
 first 4 held-out prompts x 96 tokens), one line per row with more than one evaluation (`--evals K`). The
 shipped drafter (`chain`, trained by a chain of fine-tunes, not at a known equal budget) is a dashed line.
@@ -34,7 +35,11 @@ def curves(summary: dict) -> dict:
             reference = {"arm": row["arm"], "tf_accuracy_1": row["heldout_tf_accuracy"][0]}
             continue
         per_step = row["nominal_block_positions"] / row["steps"]
-        entry = arms.setdefault(row["arm"], {"arm": row["arm"], "what": row["what"], "rows": []})
+        entry = arms.setdefault(
+            row["arm"],
+            # a warm start's positions count its own training only, not those of the drafter it started from
+            {"arm": row["arm"], "what": row["what"], "warm_start": "--init" in (row.get("flags") or []), "rows": []},
+        )
         points = row.get("curve") or [
             {
                 "block_positions": row["nominal_block_positions"],
@@ -70,17 +75,19 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for entry in report["arms"]:
-        color = None
+    palette = plt.get_cmap("tab20").colors
+    for index, entry in enumerate(report["arms"]):
+        color = palette[index % len(palette)]
         for row in entry["rows"]:
-            (line,) = left.plot(
+            label = row["run"].rsplit("/", 1)[-1]
+            left.plot(
                 [p["block_positions"] / 1e6 for p in row["heldout_tf"]],
                 [100 * p["heldout_tf_accuracy"][0] for p in row["heldout_tf"]],
-                marker="o",
+                marker="s" if entry["warm_start"] else "o",
+                fillstyle="none" if entry["warm_start"] else "full",
                 color=color,
-                label=row["run"].rsplit("/", 1)[-1],
+                label=f"{label} (warm start: its own positions)" if entry["warm_start"] else label,
             )
-            color = line.get_color()
             if len(row["distill_acceptance"]) > 1:
                 right.plot(
                     [p["block_positions"] / 1e6 for p in row["distill_acceptance"]],
