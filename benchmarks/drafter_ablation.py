@@ -255,19 +255,21 @@ def curve_measures(tf: dict) -> dict:
     return {"heldout_tf_accuracy": tf["accuracy"][:3], "heldout_loss": round(tf["loss"], 4)}
 
 
+def diagnosis_command(drafter: Path, *args: str) -> list[str]:
+    return [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT)), *args]
+
+
 def tf_command(drafter: Path) -> list[str]:
-    return [
-        sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT)),
-        "--parts", "b", "--no-f32-variant", "--prompts", "75",
-    ]  # fmt: skip
+    return diagnosis_command(drafter, "--parts", "b", "--no-f32-variant", "--prompts", "75")
 
 
 def diagnose(drafter: Path, tag: str, accept_prompts: int, log: Path) -> tuple[dict, dict, dict]:
     """Held-out teacher-forced accuracy (all 75 prompts) and real acceptance (the first `accept_prompts`)."""
-    diagnosis = [sys.executable, "benchmarks/drafter_diagnosis.py", "--drafter", str(drafter.relative_to(ROOT))]
     tf_path, acc_path = RESULTS / f"{tag}_heldout_tf.json", RESULTS / f"{tag}_acceptance.json"
     tf_cmd = [*tf_command(drafter), "--out", str(tf_path.relative_to(ROOT))]
-    acc_cmd = [*diagnosis, "--parts", "c", "--prompts", str(accept_prompts), "--out", str(acc_path.relative_to(ROOT))]
+    acc_cmd = diagnosis_command(
+        drafter, "--parts", "c", "--prompts", str(accept_prompts), "--out", str(acc_path.relative_to(ROOT))
+    )
     for cmd, path in ((tf_cmd, tf_path), (acc_cmd, acc_path)):
         if not path.is_file():
             run(cmd, log)
