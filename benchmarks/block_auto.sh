@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's checks: --block-size auto against plain decoding and every fixed width, greedy, side by side per prompt.
+# --block-size auto against plain decoding and every fixed width, greedy, side by side per prompt.
 # Writes benchmarks/results/block_auto_*.json (bench checks that all methods produce the same tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."

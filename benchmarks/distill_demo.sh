@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11, end to end: the demo drafter's data, trainer throughput, training runs, scaling curve, shipping, checks.
+# End to end: the demo drafter's data, trainer throughput, training runs, scaling curve, shipping, checks.
 # Every step resumes: re-run the script (or one step: STEPS="train curve" benchmarks/distill_demo.sh).
 # Tuned for the 2-core x86 CPU (AVX-512 bf16/AMX) it was measured on; on a Mac drop the torch-specific flags.
 set -euo pipefail

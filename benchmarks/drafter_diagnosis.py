@@ -1,4 +1,4 @@
-"""Where a DFlash drafter loses its drafts, block position by block position (issue 23, item 1).
+"""Where a DFlash drafter loses its drafts, block position by block position.
 
     .venv/bin/python benchmarks/drafter_diagnosis.py [--drafter DIR] [--answers 200] [--prompts 75]
         [--max-tokens 128] [--out benchmarks/results/drafter_diagnosis.json]

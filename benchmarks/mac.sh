@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25 on an M-series Mac (Metal): plain vs --block-size auto vs fixed widths 16/8/5/3 on one bundle.
+# On an M-series Mac (Metal): plain vs --block-size auto vs fixed widths 16/8/5/3 on one bundle.
 #
 # NOT RUN YET: written and checked on the Linux CPU box (no Mac, no Metal there), so no figure in
 # benchmarks/README.md comes from it. It needs macOS on Apple silicon with `pip install mlx-glimmer`

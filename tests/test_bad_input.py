@@ -1,6 +1,6 @@
-"""Issue 26: bad input never gets a traceback, a hang, silent garbage or a leftover (DESIGN.md section 3).
+"""Bad input never gets a traceback, a hang, silent garbage or a leftover (DESIGN.md section 3).
 
-Every example of the issue for the command line, the Python API, bench, distill, demo and chat's startup,
+Every example of bad input for the command line, the Python API, bench, distill, demo and chat's startup,
 as a table of what the user typed and what the one `error:` line says. The property-based counterpart is
 test_cli_properties.py; the server's 4xx bodies are the server's tests.
 """

@@ -1,4 +1,4 @@
-"""Issue 26, item 6: drawn bad flag values for generate, bench, distill, demo and chat always end as the
+"""Drawn bad flag values for generate, bench, distill, demo and chat always end as the
 contract says (DESIGN.md section 3): exit 2, exactly one `error:` line that names the flag, no traceback,
 within a time bound, and nothing written or loaded.
 

@@ -1,4 +1,4 @@
-"""Chat history survives a transient lock (issue 26, item 5).
+"""Chat history survives a transient lock.
 
 Another program holding chats.db locked (an `sqlite3` shell inside a transaction, a backup) must not
 cost a turn: the chat goes on without waiting, finished turns wait in the save queue, in order, and

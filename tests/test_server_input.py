@@ -1,4 +1,4 @@
-"""Issue 26 item 3: every malformed or unsupported client input gets an OpenAI-style 4xx body, never a 500.
+"""Every malformed or unsupported client input gets an OpenAI-style 4xx body, never a 500.
 
 The app runs in-process under FastAPI's TestClient, on the tiny random Muse checkpoint and its assistant
 drafter (its chat template is the real code path; its text is noise). First a table: the issue's examples and
