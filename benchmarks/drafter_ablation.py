@@ -80,6 +80,16 @@ ARMS = {
         ["--init", str(SHIPPED.relative_to(ROOT)), "--train-tags", "greedy,followup"],
         "the shipped drafter fine-tuned on greedy answers and second turns only (the chain's budget plus this one)",
     ),
+    # a start from the target's own layers, against the 4-layer default recipe (row layers4): the last four
+    # (26-29; the deepest captured layer is 27) or the two after the deepest captured one, then identity layers
+    "target": (
+        ["--layers", "4", "--init", "target"],
+        "4 layers started as the target's last four, fc passing layer 27 on",
+    ),
+    "target28": (
+        ["--layers", "4", "--init", "target:28,29"],
+        "4 layers started as the target's layers after the deepest captured one (28, 29), then 2 identity layers",
+    ),
     # prompt diversity at an equal token count: a subset of the answers each (see `subset_positions`)
     "prompts1x": ([], "greedy + T=0.8 answers to the 1,728 prompts that have both (3,456 answers)"),
     "prompts2x": ([], "greedy answers to 3,456 distinct prompts: twice the prompts, the same answer count"),

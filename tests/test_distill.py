@@ -190,6 +190,39 @@ def test_a_drafter_that_does_not_fit_is_one_clear_error(llama_pair, records, tmp
         make_trainer(llama_pair, records, tmp_path / "b", layers=2, init=str(tmp_path / "two_layers"))
 
 
+def test_a_drafter_started_from_the_target_holds_the_named_layers_and_decodes_losslessly(llama_pair, records, tmp_path):
+    tr = make_trainer(llama_pair, records, tmp_path, layers=3, init="target:4,5", steps=0)
+    target_layers = llama_pair.target.model.model.layers
+    for j, source in enumerate([4, 5]):
+        copied = dict(tree_flatten(target_layers[source].parameters()))
+        for name, value in tree_flatten(tr.model.layers[j].parameters()):
+            if name.startswith(("self_attn.q_norm", "self_attn.k_norm")):
+                assert mx.array_equal(value, mx.ones_like(value)), name
+            else:
+                assert mx.array_equal(value, copied[name].astype(mx.float32)), name
+    grown = tr.model.layers[2]  # past the list: an identity layer
+    assert not mx.any(grown.self_attn.o_proj.weight).item() and not mx.any(grown.mlp.down_proj.weight).item()
+    H = llama_pair.target.hidden_size
+    fc = tr.model.encoder.fc.weight  # captured layers ascend: the deepest is the last slice
+    assert mx.array_equal(fc[:, -H:], mx.eye(H)) and not mx.any(fc[:, :-H]).item()
+    assert mx.array_equal(tr.model.norm.weight, llama_pair.target.model.model.norm.weight.astype(mx.float32))
+    tr.save(tmp_path / "started")
+    pair = mlx_glimmer.load(target=llama_pair.target_path, drafter=tmp_path / "started")
+    prompt = [256] + list(b"a start from the target")
+    plain = mlx_glimmer.generate(pair, prompt, max_tokens=60, speculative=False)
+    assert mlx_glimmer.generate(pair, prompt, max_tokens=60).token_ids == plain.token_ids
+
+
+def test_plain_target_init_takes_the_last_layers_and_bad_lists_are_one_clear_error(llama_pair, records, tmp_path):
+    tr = make_trainer(llama_pair, records, tmp_path / "last", layers=2, init="target", steps=0)
+    last = llama_pair.target.model.model.layers[-1]
+    assert mx.array_equal(tr.model.layers[1].mlp.up_proj.weight, last.mlp.up_proj.weight.astype(mx.float32))
+    with pytest.raises(GlimmerError, match="out of range for a 6-layer target"):
+        make_trainer(llama_pair, records, tmp_path / "a", layers=2, init="target:5,6")
+    with pytest.raises(GlimmerError, match="names 3 layers for a 2-layer drafter"):
+        make_trainer(llama_pair, records, tmp_path / "b", layers=2, init="target:1,2,3")
+
+
 def test_saved_drafter_loads_and_stays_lossless(llama_pair, records, tmp_path):
     tr = make_trainer(llama_pair, records, tmp_path, steps=30)
     tr.train()

@@ -164,8 +164,10 @@ def add_distill_parser(sub) -> None:
     p.add_argument(
         "--init",
         default="random",
-        help="warm start: random (default), target (copy the target's last layers), or a drafter directory "
-        "to fine-tune (one with fewer layers than --layers grows by identity layers)",
+        help="warm start: random (default); target (the drafter starts as the target's last --layers layers, "
+        "fc passing the deepest captured layer on); target:L1,L2,... (those target layers, in order; fewer than "
+        "--layers grow by identity layers); or a drafter directory to fine-tune (one with fewer layers than "
+        "--layers grows by identity layers)",
     )
     p.add_argument(
         "--train-backend",
@@ -254,10 +256,15 @@ def check_distill_flags(args) -> None:
     if args.self_instruct and args.prompts != "synth":
         raise GlimmerError("distill: --self-instruct writes prompts for --prompts synth only")
     temperatures(args)
-    if args.init not in ("random", "target") and not (Path(args.init) / "model.safetensors").is_file():
+    if args.init.startswith("target:"):
+        if not re.fullmatch(r"target:\d+(,\d+)*", args.init):
+            raise GlimmerError(f"distill: --init {args.init}: not 'target:' and comma-separated target layer numbers")
+        if len(args.init.split(",")) > args.layers:
+            raise GlimmerError(f"distill: --init {args.init}: names more layers than --layers {args.layers}")
+    elif args.init not in ("random", "target") and not (Path(args.init) / "model.safetensors").is_file():
         raise GlimmerError(
-            f"distill: --init {args.init}: neither 'random', 'target' nor a drafter directory "
-            "(no model.safetensors there)"
+            f"distill: --init {args.init}: neither 'random', 'target', 'target:L1,L2,...' nor a drafter "
+            "directory (no model.safetensors there)"
         )
     if args.train_only:
         data = out / "data"

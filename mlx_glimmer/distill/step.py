@@ -27,7 +27,7 @@ class TrainConfig:
     anchors: int = 64  # blocks per sequence per step
     sequences_per_step: int = 4
     draft_vocab_size: int | None = 8192  # the most emitted tokens (all when fewer); None: every emitted token
-    init: str = "random"  # "random", "target", or a drafter directory to fine-tune
+    init: str = "random"  # "random", "target", "target:L1,L2,...", or a drafter directory to fine-tune
     gamma: float = 7.0
     learning_rate: float = 6e-4
     warmup: int = 100

@@ -16,8 +16,9 @@ or all of them; EAGLE-3/FR-Spec style): the output head is the dominant cost at
 this size. Verification still uses the full vocabulary, so output stays
 lossless; a token outside the draft vocabulary is simply never drafted.
 
-Warm starts (`init`): "random"; "target" copies the target's last `layers`
-decoder layers into the drafter's (same shapes); a drafter directory
+Warm starts (`init`): "random"; "target" (or "target:L1,L2,...") starts the
+drafter as the target's own layers continuing from its deepest captured state
+(`init_from_target`); a drafter directory
 fine-tunes its weights, growing a shallower drafter by identity layers
 (`load_for_fine_tuning`).
 
@@ -122,18 +123,84 @@ def draft_vocabulary(records: list[dict], mask_token_id: int, size: int | None) 
     return sorted(set(emitted.tolist()) | {mask_token_id}), coverage
 
 
-def copy_target_layers(model: DFlashModel, target: Target) -> None:
-    """Initialise drafter layer j from the target's layer n - L + j (matching shapes only)."""
-    source = target.model.model.layers[-len(model.layers) :]
-    weights = []
-    for j, layer in enumerate(source):
-        own = dict(tree_flatten(model.layers[j].parameters()))
-        for name, value in tree_flatten(layer.parameters()):
-            if name in own and own[name].shape == value.shape and value.dtype in (mx.float32, mx.float16, mx.bfloat16):
-                weights.append((f"layers.{j}.{name}", value.astype(mx.float32)))
-    if not weights:
-        raise GlimmerError("init 'target': the target's layers share no weight shapes with the drafter's")
+def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> list[int]:
+    """The target layers an `init` of "target" or "target:L1,L2,..." copies, in drafter layer order.
+
+    Plain "target" takes the target's last `drafter_layers` layers: the layers that turn the deepest
+    features into next-token predictions, which is the drafter's job too (docs/distill.md has the probe
+    that chose them). A list shorter than the drafter grows it by identity layers."""
+    if init == "target":
+        return list(range(max(0, target_layers - drafter_layers), target_layers))
+    spec = init.removeprefix("target:")
+    try:
+        ids = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise GlimmerError(f"--init {init}: not 'target:' and comma-separated target layer numbers") from None
+    bad = [i for i in ids if not 0 <= i < target_layers]
+    if bad:
+        raise GlimmerError(f"--init {init}: layers {bad} out of range for a {target_layers}-layer target")
+    if not 0 < len(ids) <= drafter_layers:
+        raise GlimmerError(f"--init {init}: names {len(ids)} layers for a {drafter_layers}-layer drafter")
+    return ids
+
+
+def float_weights(module: nn.Module) -> dict[str, mx.array]:
+    """A module's weights in float32 by name, quantized linears dequantized (quantized bundles train too)."""
+    out = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.QuantizedLinear):
+            w = mx.dequantize(sub.weight, sub.scales, sub.biases, sub.group_size, sub.bits)
+            out[f"{name}.weight" if name else "weight"] = w.astype(mx.float32)
+    for name, value in tree_flatten(module.parameters()):
+        base = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{base}.weight" in out:
+            continue
+        if name not in out and mx.issubdtype(value.dtype, mx.floating):
+            out[name] = value.astype(mx.float32)
+    return out
+
+
+def init_from_target(model: DFlashModel, target: Target, layer_ids: list[int]) -> int:
+    """Start the drafter from the target's own computation; returns how many identity layers follow the copies.
+
+    Drafter layer i becomes target layer `layer_ids[i]` (attention and MLP projections, both norms); layers
+    past the list start as the identity (zero output projections). `fc` passes the deepest captured layer's
+    features on as they are (the identity on that slice, zero elsewhere), the q/k norms start at one and the
+    final norm is the target's, so the drafter begins as the target's last layers continuing from its deepest
+    captured state."""
+    own = dict(tree_flatten(model.parameters()))
+    weights, missing = [], set()
+    for j, source in enumerate(layer_ids):
+        copied = float_weights(target.model.model.layers[source])
+        for name, value in own.items():
+            if not name.startswith(f"layers.{j}."):
+                continue
+            local = name.removeprefix(f"layers.{j}.")
+            if local.startswith("self_attn.q_norm.") or local.startswith("self_attn.k_norm."):
+                weights.append((name, mx.ones_like(value)))
+            elif local in copied and copied[local].shape == value.shape:
+                weights.append((name, copied[local]))
+            else:
+                missing.add(local)
+    if missing:
+        raise GlimmerError(
+            f"--init target: the target's layers do not match the drafter's ({', '.join(sorted(missing)[:3])})"
+        )
+    H = model.config.hidden_size
+    captured = list(model.config.target_layer_ids)
+    deepest = captured.index(max(captured))
+    fc = mx.zeros_like(own["encoder.fc.weight"])
+    fc[:, deepest * H : (deepest + 1) * H] = mx.eye(H)
+    weights.append(("encoder.fc.weight", fc))
+    weights.append(("encoder.output_norm_enc.weight", mx.ones_like(own["encoder.output_norm_enc.weight"])))
+    final = float_weights(target.model.model.norm).get("weight")
+    if final is not None and final.shape == own["norm.weight"].shape:
+        weights.append(("norm.weight", final))
     model.load_weights(weights, strict=False)
+    for layer in model.layers[len(layer_ids) :]:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    return len(model.layers) - len(layer_ids)
 
 
 def load_for_fine_tuning(model: DFlashModel, saved: dict[str, mx.array], source: str) -> int:
@@ -260,8 +327,11 @@ class Trainer:
     def initialise(self, init: str) -> None:
         if init == "random":
             return
-        if init == "target":
-            copy_target_layers(self.model, self.target)
+        if init == "target" or init.startswith("target:"):
+            ids = target_init_layers(init, self.target.num_layers, len(self.model.layers))
+            added = init_from_target(self.model, self.target, ids)
+            grown = f", then {added} identity layers" if added else ""
+            print(f"[init] drafter layers from the target's layers {ids}{grown}", file=self.log, flush=True)
             return
         path = Path(init)
         if not (path / "model.safetensors").is_file():
