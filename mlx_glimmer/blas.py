@@ -15,8 +15,13 @@ with an OpenBLAS in `LD_PRELOAD`, picked in this order:
 What a fresh process can load is decided from files (the loader cache, the
 disk), never by `dlopen` in this process, which may have loaded them already.
 
-The child checks that `cblas_sgemm` really resolves into the chosen library;
-when no fast BLAS can be had it says so once, in one line, with the fix.
+A candidate is preloaded only after a child process ran one `cblas_sgemm`
+with it and got the right product: a build for a newer CPU than this one
+(an AVX-512 kernel on an AVX2 machine, say) dies of an illegal instruction in
+the child, never in the user's command. The verdict is kept in the cache per
+library file and CPU. The re-executed process checks that `cblas_sgemm` really
+resolves into the chosen library; when no fast BLAS can be had it says so
+once, in one line, with the fix.
 BLAS choice never changes results beyond float rounding of the matmuls.
 macOS is untouched (Metal). `MLX_GLIMMER_BLAS=reference` turns all of this off.
 """
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -103,18 +110,87 @@ def gfortran_links(cache: Path) -> str | None:
     return None
 
 
-def find_openblas(cache: Path) -> BlasChoice | None:
-    """The OpenBLAS to preload, with what a fresh process needs to load it; None when there is none."""
-    for path in (*SYSTEM_PATHS, *system_libraries("libopenblas.so.0")):
-        if os.path.isfile(path):
-            return BlasChoice(path)
+def candidates(cache: Path) -> list[BlasChoice]:
+    """Every OpenBLAS a fresh process could preload, in order of preference, with what it needs to load."""
+    found = [
+        BlasChoice(p)
+        for p in dict.fromkeys((*SYSTEM_PATHS, *system_libraries("libopenblas.so.0")))
+        if os.path.isfile(p)
+    ]
     for site in _site_dirs():
         wheel = site / "cmeel.prefix" / "lib" / "libopenblas.so.0"
         if wheel.is_file():
             links = gfortran_links(cache)  # numpy's copy whenever there is one: the same on every machine
             if links:
-                return BlasChoice(str(wheel), links)
-            return BlasChoice(str(wheel)) if system_libraries("libgfortran.so.5") else None
+                found.append(BlasChoice(str(wheel), links))
+            elif system_libraries("libgfortran.so.5"):
+                found.append(BlasChoice(str(wheel)))
+            break
+    return found
+
+
+# A 3x2 @ 2x2 product with beta 0 (OpenBLAS's beta kernel runs too), checked in the child against the answer.
+SGEMM_CHECK = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+F = ctypes.c_float * 6
+a, b, c = F(1, 2, 3, 4, 5, 6), F(1, 0, 0, 1, 0, 0), F(*[9] * 6)
+lib.cblas_sgemm(101, 111, 111, 3, 2, 2, ctypes.c_float(1), a, 2, b, 2, ctypes.c_float(0), c, 2)
+sys.exit(0 if list(c) == [1, 2, 3, 4, 5, 6] else 3)
+"""
+
+
+def cpu_signature() -> str:
+    """What decides which instructions a library may use here: the machine and its CPU flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{os.uname().machine} {flags}"
+
+
+def runs_here(choice: BlasChoice, cache: Path) -> bool:
+    """Whether a fresh process with `choice` preloaded computes a matrix product (checked once per library file
+    and CPU, in a child process, and remembered in `cache`)."""
+    stat = os.stat(choice.library)
+    key = f"{os.path.realpath(choice.library)} {stat.st_size} {stat.st_mtime_ns} {cpu_signature()}"
+    verdict = cache / f"works-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return bool(json.loads(verdict.read_text())["works"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", ENV)}
+    env["LD_PRELOAD"] = choice.library
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    if choice.library_path:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (choice.library_path, env.get("LD_LIBRARY_PATH")) if p)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", SGEMM_CHECK, choice.library], env=env, capture_output=True, timeout=60
+        )
+        works = child.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        works = False
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"library": choice.library, "works": works}))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass  # an unwritable cache only means checking again next time
+    return works
+
+
+def find_openblas(cache: Path) -> BlasChoice | None:
+    """The first OpenBLAS that runs on this machine, with what a fresh process needs to load it; None when none
+    does (none installed, or each built for instructions this CPU lacks)."""
+    for choice in candidates(cache):
+        if runs_here(choice, cache):
+            return choice
     return None
 
 
@@ -157,7 +233,9 @@ def reexec_env(cache: Path) -> dict | None:
         return None
     choice = find_openblas(cache)
     if choice is None:
-        warn_once(f"no optimized BLAS found: MLX runs on its slow reference BLAS (~10x slower on CPU). Fix: {FIX}")
+        rejected = [c.library for c in candidates(cache)]
+        found = f"no OpenBLAS here runs on this CPU ({', '.join(rejected)})" if rejected else "no optimized BLAS found"
+        warn_once(f"{found}: MLX runs on its slow reference BLAS (~10x slower on CPU). Fix: {FIX}")
         return None
     env = dict(os.environ)
     env[ENV] = choice.library

@@ -97,13 +97,44 @@ def test_a_stale_loader_cache_entry_is_not_a_library(monkeypatch, tmp_path):
     assert blas.system_libraries("libopenblas.so.0") == []
 
 
-def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys):
+def test_a_library_that_cannot_multiply_on_this_cpu_is_never_preloaded(tmp_path, monkeypatch):
+    """A build for instructions this CPU lacks dies in a child process, not in the command: the next one is taken,
+    and the verdict is remembered per library file and CPU."""
+    broken = tmp_path / "libopenblas.so.0"
+    broken.write_bytes(b"not a library: loading it fails, as an AVX-512 build fails on an AVX2 CPU")
+    monkeypatch.setattr(blas, "SYSTEM_PATHS", (str(broken),))
+    monkeypatch.setattr(blas, "system_libraries", lambda soname: [])
+    choice = blas.find_openblas(tmp_path / "cache")
+    assert choice is not None and choice.library.endswith("cmeel.prefix/lib/libopenblas.so.0")
+    verdicts = [json.loads(f.read_text()) for f in (tmp_path / "cache").glob("works-*.json")]
+    assert {(v["library"], v["works"]) for v in verdicts} == {(str(broken), False), (choice.library, True)}
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a remembered verdict needs no child process")
+
+    monkeypatch.setattr(blas.subprocess, "run", no_child)
+    assert blas.find_openblas(tmp_path / "cache") == choice
+
+
+def test_when_no_library_runs_the_warning_names_them(tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "libopenblas.so.0"
+    broken.write_bytes(b"not a library")
     monkeypatch.delenv(blas.ENV, raising=False)
     monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setattr(blas, "find_openblas", lambda cache: None)
+    monkeypatch.setattr(blas, "candidates", lambda cache: [blas.BlasChoice(str(broken))])
     monkeypatch.setattr(blas, "_warned", False)
-    blas.ensure_fast_blas(None)
-    blas.ensure_fast_blas(None)
+    assert blas.reexec_env(tmp_path / "cache") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no OpenBLAS here runs on this CPU ({broken})" in err[0] and "apt-get" in err[0]
+
+
+def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv(blas.ENV, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setattr(blas, "candidates", lambda cache: [])
+    monkeypatch.setattr(blas, "_warned", False)
+    blas.ensure_fast_blas(tmp_path)
+    blas.ensure_fast_blas(tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: ") and "apt-get install libopenblas0-pthread" in err[0]
 
