@@ -1,4 +1,4 @@
-"""Held-out acceptance of the demo pair: the issue-4 measurement.
+"""Held-out acceptance of the demo pair: tokens committed per target forward on every held-out prompt.
 
     python benchmarks/demo_acceptance.py [BUNDLE] [--max-tokens 128] [--block-size 16] [--out FILE]
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import mlx_glimmer
 from mlx_glimmer.demo import demo_bundle
-from mlx_glimmer.distill.data import DATA_DIR, load_prompts
+from mlx_glimmer.distill.data import load_prompts
+from mlx_glimmer.paths import DATA_DIR
 
 
 def main() -> int:

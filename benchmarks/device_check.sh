@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Torch/CUDA checks of mlx-glimmer on a lent GPU machine that has NO network.
 #
-# What that machine has (DESIGN.md section 6; the device tool's KINDS.md):
+# What that machine has:
 #   Python 3.12, torch 2.11 (CUDA 13), transformers 5.17, numpy, safetensors,
 #   tokenizers, jinja2, pytest, scipy. transformers 5.17 already has
 #   MuseGlimmerForConditionalGeneration, MuseGlimmerAssistantModel, DFlashCache
@@ -28,15 +28,15 @@
 #
 # Usage:
 #   here, once, with network:   bash benchmarks/device_check.sh --prepare
-#   on the device:              run(command="bash benchmarks/device_check.sh", carry=[".whl"],
-#                                   timeout_s=560)   (add ".carry" to check a carried bundle)
+#   on the device:              bash benchmarks/device_check.sh   (with .whl/ copied along, and
+#                                   .carry/ to check a carried bundle; about 9 minutes at most)
 #   here, to test the script:   bash benchmarks/device_check.sh --device cpu --no-install
 # Options: --device cuda|cpu|mps (default cuda), --no-install (use this python's
 #   packages), --quick (fewer prompts/tokens). Each step has a timeout, and all of
 #   them share a deadline of $BUDGET seconds (default 520): steps that no longer fit
 #   are skipped, most important first, so the run returns inside the device call.
-# Output: one directory, $OUT if set, else ./device_out (8 files at most, the
-#   device tool's limit): summary.txt (environment + one line per step),
+# Output: one directory, $OUT if set, else ./device_out (8 files at most, what
+#   such a machine hands back): summary.txt (environment + one line per step),
 #   log.txt (everything), pytest.txt, parity_tiny.txt, parity_tiny.json,
 #   cuda_checks.txt, demo.txt, demo_parity.json.
 
@@ -172,6 +172,7 @@ EOF
 step lossless 120 "$OUT/cuda_checks.txt" $PY - "$CK" "$DEVICE" <<'EOF'
 import sys, time
 import mlx_glimmer
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
 from mlx_glimmer.speculative import generate_steps  # the one loop: a torch target runs it too
@@ -186,15 +187,16 @@ def report(pair, ref, i, other):
     return f"{ref[i]} vs {other}, gap {float(logits[ref[i]] - logits[other]):.3g} ({pair.dtype})"
 
 
-ref = toks(mlx_steps(mlx_glimmer.load(target=f"{ck}/muse").target, prompt, max_tokens=220))
+ref = toks(mlx_steps(mlx_glimmer.load(target=f"{ck}/muse").target, prompt, GenerationSettings(max_tokens=220)))
 failed = False
 for dtype in ("float32", "bfloat16"):
     pair = load_torch(target=f"{ck}/muse", drafter=f"{ck}/assistant", device=device, dtype=dtype)
     t0 = time.perf_counter()
-    plain = toks(generate_steps(pair.target, prompt, max_tokens=220))
+    plain = toks(generate_steps(pair.target, prompt, GenerationSettings(max_tokens=220)))
     t1 = time.perf_counter()
     for block in (4, 16):
-        steps = list(generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=block, max_tokens=220))
+        settings = GenerationSettings(max_tokens=220, block_size=block)
+        steps = list(generate_steps(pair.target, prompt, settings, drafter=pair.drafter))
         spec = toks(steps)
         i = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
         where = "identical" if i is None else f"first divergence at token {i}: {report(pair, plain, i, spec[i])}"

@@ -204,9 +204,9 @@ def explain(bundle: str | None, pairs: list[tuple[dict, dict]], max_tokens: int)
     kernels' margins (a 1-row step, a batched step of the reply's batch size)."""
     import mlx_glimmer
     from mlx_glimmer.demo import demo_bundle
+    from mlx_glimmer.divergence import mlx_dtype
     from mlx_glimmer.generate import encode_prompt
     from mlx_glimmer.server.batch import explain_batched_divergence
-    from mlx_glimmer.torch_backend.parity import mlx_dtype
 
     pair = mlx_glimmer.load(bundle or demo_bundle())
     out = []

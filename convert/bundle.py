@@ -14,9 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._version import __version__
-from ..errors import GlimmerError
-from ..files import BUNDLE_FORMAT
+from mlx_glimmer._version import __version__
+from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.files import BUNDLE_FORMAT
+
 from .drafter_plan import plan_drafter
 from .formats import BITS, DEFAULT_MAX_SHARD
 from .gguf import plan_gguf

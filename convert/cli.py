@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
+
 from .formats import BITS, DEFAULT_MAX_SHARD, FLOAT_DTYPE_NAMES, GROUP_SIZES
 
 if TYPE_CHECKING:

@@ -11,10 +11,11 @@ detected as the same family).
 
 from __future__ import annotations
 
-from ..drafters import FAMILIES, family_of
-from ..drafters.base import validate_pair
-from ..errors import GlimmerError
-from ..files import read_config_json
+from mlx_glimmer.drafters.loading import validate_pair
+from mlx_glimmer.drafters.registry import FAMILIES, family_of
+from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.files import read_config_json
+
 from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import checkpoint_tensors

@@ -25,7 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
+
 from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import CHUNK_BYTES, MX_CODES

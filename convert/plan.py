@@ -14,7 +14,8 @@ from typing import Callable, Mapping
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
+
 from .quantize import QuantSpec, quantization_config
 from .sources import Source
 

@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
+
 from .formats import FLOAT_DTYPE_NAMES, GROUP_SIZES  # noqa: F401  (GROUP_SIZES re-exported)
 from .safetensors_stream import CHUNK_BYTES, MX_CODES, num_rows
 

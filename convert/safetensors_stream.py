@@ -19,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
 
 INDEX_FILE = "model.safetensors.index.json"
 # Source bytes per row block; bounds the working set of one conversion step.

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import GlimmerError
+from mlx_glimmer.errors import GlimmerError
 
 # What a conversion needs from a hub repo: weights, configs, tokenizer and chat template.
 HUB_PATTERNS = [

@@ -8,9 +8,10 @@ from typing import Callable
 
 from mlx_lm.utils import _get_classes
 
-from ..errors import GlimmerError
-from ..files import read_config_json
-from ..loading import TEXT_PREFIXES
+from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.files import read_config_json
+from mlx_glimmer.loading import TEXT_PREFIXES
+
 from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
 from .safetensors_stream import DTYPES, checkpoint_tensors
@@ -122,6 +123,6 @@ def plan_target(
 
 def target_shape_probe(plan: ModelPlan):
     """A `Target` over the lazily built model: enough for `validate_pair` (nothing is evaluated)."""
-    from ..target import Target
+    from mlx_glimmer.target import Target
 
     return Target(plan.model, plan.config)

@@ -108,14 +108,12 @@ def time_mlx_lm(pair, ids: list[int], max_tokens: int) -> tuple[list[int], float
 
 
 def time_ours(pair, ids, settings: GenerationSettings):
-    from .generate import stream_generate
+    from .generate import collect, stream_generate
 
-    result_ids, stats = [], None
-    for chunk in stream_generate(pair, ids, settings):
-        result_ids.extend(chunk.token_ids)
-        stats = chunk.stats
+    result = collect(stream_generate(pair, ids, settings))
+    stats = result.stats
     decode_s = (stats.generated_tokens - 1) / stats.decode_tokens_per_second if stats.decode_tokens_per_second else 0.0
-    return result_ids, decode_s, stats
+    return result.token_ids, decode_s, stats
 
 
 def run_bench(
@@ -156,7 +154,7 @@ def run_bench(
                     settings = GenerationSettings(
                         max_tokens=max_tokens,
                         speculative=m != "plain",
-                        block_size="auto" if width in ("auto", "plain") else int(width),
+                        block_size=AUTO if width in (AUTO, "plain") else int(width),
                     )
                     toks, dt, stats = time_ours(pair, ids, settings)
                     results[m].add(
@@ -240,8 +238,7 @@ def divergence_report(
 ) -> dict:
     """A mismatch against the first method's tokens: where, and both kernels' logit margins there (a 1-row step,
     and a verify as wide as `method`'s, or the drafter's block for auto), so a near-tie reads as a tie."""
-    from .divergence import explain_divergence
-    from .torch_backend.parity import mlx_dtype
+    from .divergence import explain_divergence, mlx_dtype
 
     width = method.removeprefix("spec_b")
     width = int(width) if width.isdigit() else (pair.drafter.block_size if pair.drafter is not None else 16)

@@ -286,15 +286,6 @@ class WidthPolicy:
             return min(self.probe_width, self.max_width)
         return 1
 
-    def observe(self, width: int, accepted: int, context: int, draft_s: float, verify_s: float) -> None:
-        """One round's outcome, its draft and its verify timed apart: `width` verified (w - 1 drafts),
-        `accepted` drafts kept."""
-        self.cost.observe(width, context, verify_s)
-        if width > 1:
-            self.acceptance.observe(width - 1, accepted)
-            self.draft_seconds = draft_s if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * draft_s
-        self._judge_probe(width, context)
-
     def observe_round(self, width: int, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
         """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
         own (draft and verify run as one queued graph, so they cannot be timed apart without a second

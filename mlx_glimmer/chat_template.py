@@ -1,6 +1,6 @@
 """What a tokenizer's chat template offers: one check for all callers (API, chat, server, parity).
 
-Muse Glimmer's template takes a reasoning strength (`reasoning_strength=`, DESIGN.md section 1);
+Muse Glimmer's template takes a reasoning strength (`reasoning_strength=`: low, medium, high or xhigh);
 other families use other variables, so support is read from the template text.
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from .chat_template import REASONING_LEVELS
 from .errors import GlimmerError
 from .files import check_model_dir, check_pair_dirs
-from .flags import add_drafter_flags, add_sampling_flags, checked, settings_from_args
+from .flags import FLAG_OF, add_drafter_flags, add_sampling_flags, checked, dest, given_settings, settings_from_args
 from .paths import cache_dir
 
 JSON_FIELDS = (
@@ -181,26 +181,12 @@ def build_parser() -> Parser:
         help=f"reasoning strength, for models whose chat template has one (default {DEFAULT_CHAT.reasoning})",
     )
     c.add_argument("--drafter", default=None, help="drafter directory replacing the bundle's")
-    add_sampling_flags(c, DEFAULT_CHAT.generation(seed=0), what="per answer")
+    add_sampling_flags(c, DEFAULT_CHAT.generation, what="per answer")
     next(a for a in c._actions if a.dest == "seed").help = "random seed for sampling (default: a fresh one per answer)"
     # Defaults live in the chat's Settings, so a flag given next to --resume is told apart and overrides the
     # stored value.
-    c.set_defaults(**{dest: None for dest in CHAT_FLAGS})
+    c.set_defaults(**{dest(name): None for name in FLAG_OF})
     return parser
-
-
-# chat flag dest -> chat Settings field
-CHAT_FLAGS = {
-    "max_tokens": "max_tokens",
-    "temp": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "block_size": "block_size",
-    "no_spec": "speculative",
-    "system": "system",
-    "reasoning": "reasoning",
-}
 
 
 def open_pair(bundle: str | None, drafter: str | None = None, use_drafter: bool = True, **kwargs):
@@ -242,7 +228,7 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise GlimmerError("generate: --prompt -: standard input is empty")
-    from .generate import stream_generate
+    from .generate import collect, stream_generate
     from .torch_backend.cli import open_backend
 
     pair = open_backend(args, open_pair)
@@ -251,18 +237,11 @@ def cmd_generate(args) -> int:
             {"role": "user", "content": prompt}
         ]
         prompt = messages
-    chunks = stream_generate(pair, prompt, settings)
-    text, ids, stats = [], [], None
-    for chunk in chunks:
-        text.append(chunk.text)
-        ids.extend(chunk.token_ids)
-        stats = chunk.stats
-        if not args.json:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+    result = collect(stream_generate(pair, prompt, settings), on_chunk=None if args.json else show_text)
+    stats = result.stats
     if args.json:
         stats_d = stats.to_dict()
-        out = {"text": "".join(text), "token_ids": ids, **{k: stats_d[k] for k in JSON_FIELDS}}
+        out = {"text": result.text, "token_ids": result.token_ids, **{k: stats_d[k] for k in JSON_FIELDS}}
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
@@ -273,6 +252,13 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def show_text(chunk) -> bool:
+    """`collect`'s `on_chunk` for a terminal: each chunk's text as it comes."""
+    sys.stdout.write(chunk.text)
+    sys.stdout.flush()
+    return False
 
 
 def cmd_convert(args) -> int:
@@ -311,9 +297,8 @@ def chat_plan(args):
         raise GlimmerError("chat: the first message is empty")
     if args.no_history and (args.list or args.resume is not None):
         raise GlimmerError(f"chat: {'--list' if args.list else '--resume'} reads the history; drop --no-history")
-    given = {field: getattr(args, dest) for dest, field in CHAT_FLAGS.items() if getattr(args, dest) is not None}
-    if "speculative" in given:  # --no-spec
-        given["speculative"] = False
+    own = {name: getattr(args, name) for name in ("system", "reasoning") if getattr(args, name) is not None}
+    given = {**given_settings(args), **own}  # as the chat's `Settings.with_changes` names them
     settings = checked("chat", lambda: DEFAULT_CHAT.with_changes(**given))
     if not args.list:  # a broken bundle is one error line, not a message inside the app
         if bundle is not None:

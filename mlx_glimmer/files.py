@@ -7,23 +7,36 @@ goes deep enough to fail with a traceback.
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import GlimmerError
 
 
+@contextmanager
+def looking_into(directory: Path, what: str = "this") -> Iterator[None]:
+    """An OS error while looking into `directory` (one the user may not read) is one error naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise GlimmerError(f"{directory}: cannot read {what} directory ({e.strerror or e})") from None
+
+
 def check_model_dir(path: Path, what: str) -> None:
     """`path` is a directory with a config.json and model*.safetensors weights (`what`: "target", "drafter")."""
-    if not path.exists():
-        raise GlimmerError(f"{path}: {what} directory not found")
-    if not path.is_dir():
-        raise GlimmerError(f"{path}: {what} must be a directory")
-    if not (path / "config.json").is_file():
-        raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
-    if not list(path.glob("model*.safetensors")):
-        raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
+    with looking_into(path, f"the {what}"):
+        if not path.exists():
+            raise GlimmerError(f"{path}: {what} directory not found")
+        if not path.is_dir():
+            raise GlimmerError(f"{path}: {what} must be a directory")
+        os.listdir(path)  # a listing it may not read would look like a directory without weights
+        if not (path / "config.json").is_file():
+            raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
+        if not list(path.glob("model*.safetensors")):
+            raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
 
 
 def read_config_json(path: Path, what: str = "model") -> dict:
@@ -98,9 +111,10 @@ def pair_paths(path, target, drafter, use_drafter: bool = True) -> PairPaths:
     bundle = False
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise GlimmerError(f"{path}: no such bundle or directory")
-        bundle = (path / "glimmer.json").is_file()
+        with looking_into(path):
+            if not path.exists():
+                raise GlimmerError(f"{path}: no such bundle or directory")
+            bundle = (path / "glimmer.json").is_file()
         target_path = path
         if bundle:
             manifest = read_bundle_manifest(path)

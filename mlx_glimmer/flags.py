@@ -11,17 +11,34 @@ import argparse
 import math
 
 from .errors import GlimmerError
-from .settings import AUTO, MAX_DRAFT_K, SEED_LIMIT, GenerationSettings, SamplingError
+from .settings import AUTO, MAX_DRAFT_K, SEED_BITS, SEED_LIMIT, GenerationSettings, SamplingError
 
-# The flag of each field a sampling error names.
+# The flag of each generation setting, by the setting's name (`GenerationSettings.of`'s keyword, the field a
+# sampling error names). Every command that takes these flags reads them through this table.
 FLAG_OF = {
+    "max_tokens": "--max-tokens",
     "temperature": "--temp",
     "top_p": "--top-p",
     "top_k": "--top-k",
-    "max_tokens": "--max-tokens",
-    "block_size": "--block-size",
     "seed": "--seed",
+    "block_size": "--block-size",
+    "speculative": "--no-spec",  # the flag turns it off
 }
+
+
+def dest(name: str) -> str:
+    """The attribute argparse keeps setting `name`'s flag in."""
+    return FLAG_OF[name].removeprefix("--").replace("-", "_")
+
+
+def given_settings(args) -> dict:
+    """The generation settings `args` gives, by name: each flag the command has, unless it was left at None."""
+    values = {}
+    for name in FLAG_OF:
+        value = getattr(args, dest(name), None)
+        if value is not None:
+            values[name] = not value if name == "speculative" else value
+    return values
 
 
 def positive_int(text: str) -> int:
@@ -54,7 +71,7 @@ def bounded_int(low: int, high: int):
 def seed_arg(text: str) -> int:
     value = int(text)
     if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**{SEED_BITS}), got {value}")
     return value
 
 
@@ -93,30 +110,32 @@ def add_sampling_flags(
     `what`: whose setting it is in the help ("a request's " for serve's defaults)."""
     s = defaults.sampling
     p.add_argument(
-        "--max-tokens",
+        FLAG_OF["max_tokens"],
         type=positive_int,
         default=defaults.max_tokens,
         help=f"most tokens {what or 'to generate'} (default {defaults.max_tokens})",
     )
     p.add_argument(
-        "--temp",
+        FLAG_OF["temperature"],
         type=float,
         default=s.temperature,
         help=f"sampling temperature{what and ' ' + what}; 0 = greedy (default {s.temperature:g})",
     )
-    p.add_argument("--top-p", type=float, default=s.top_p, help=f"nucleus sampling mass (default {s.top_p:g}; 1 = off)")
     p.add_argument(
-        "--top-k", type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)"
+        FLAG_OF["top_p"], type=float, default=s.top_p, help=f"nucleus sampling mass (default {s.top_p:g}; 1 = off)"
+    )
+    p.add_argument(
+        FLAG_OF["top_k"], type=int, default=s.top_k, help=f"keep the k most likely tokens (default {s.top_k}; 0 = off)"
     )
     if seed:
         p.add_argument(
-            "--seed",
+            FLAG_OF["seed"],
             type=int,
             default=defaults.seed,
-            help=f"random seed for sampling, 0 to 2**63-1 (default {defaults.seed})",
+            help=f"random seed for sampling, 0 to 2**{SEED_BITS}-1 (default {defaults.seed})",
         )
     p.add_argument(
-        "--block-size",
+        FLAG_OF["block_size"],
         type=block_size_arg,
         default=defaults.block_size,
         metavar="auto|N",
@@ -125,7 +144,9 @@ def add_sampling_flags(
         "drafting does not pay; N fixes it, capped at the drafter's block size (DFlash: its trained block, "
         "16 for the demo drafter; a draft model or prompt lookup: --draft-k + 1)",
     )
-    p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone (the baseline)")
+    p.add_argument(
+        FLAG_OF["speculative"], action="store_true", help="plain decoding with the target alone (the baseline)"
+    )
 
 
 def add_drafter_flags(p: argparse.ArgumentParser) -> None:
@@ -155,15 +176,4 @@ def checked(prog: str, make):
 
 def settings_from_args(args, prog: str) -> GenerationSettings:
     """The `GenerationSettings` of `add_sampling_flags`' flags."""
-    return checked(
-        prog,
-        lambda: GenerationSettings.of(
-            temperature=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            block_size=args.block_size,
-            speculative=not args.no_spec,
-            **({"seed": args.seed} if "seed" in args else {}),
-        ),
-    )
+    return checked(prog, lambda: GenerationSettings.of(**given_settings(args)))

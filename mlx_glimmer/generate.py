@@ -23,15 +23,15 @@ import weakref
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
 from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, calibration_key, describe, width_policy
 from .chat_template import has_chat_template
+from .drafters.base import Drafter
 from .errors import GlimmerError
 from .paths import cache_dir
-from .sampling import SamplingParams
 from .settings import GenerationSettings
-from .speculative import DecodeState, Drafter, TargetModel, generate_steps
+from .speculative import DecodeState, TargetModel, generate_steps
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -80,6 +80,18 @@ class GenerationStats:
     @property
     def verify_width_histogram(self) -> dict[str, int]:
         return describe(self.verify_widths)
+
+    def tally(self, generated: int, first_at: float, now: float, *, stopped: bool, max_tokens: int) -> None:
+        """The figures after `generated` tokens, the first committed at `first_at` and the last at `now`: the decode
+        rate (tokens after the first / time from the first to the last), and why the answer ended once it has
+        (a stop token, or `max_tokens`)."""
+        self.generated_tokens = generated
+        if generated > 1 and now > first_at:
+            self.decode_tokens_per_second = (generated - 1) / (now - first_at)
+        if stopped:
+            self.finish_reason = "stop"
+        elif generated >= max_tokens:
+            self.finish_reason = "length"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -179,12 +191,9 @@ def stream_generate(
     steps = generate_steps(
         pair.target,
         request.tokens,
+        request.settings,
         drafter=request.drafter,
-        params=settings.sampling,
-        block_size=request.block_size,
-        max_tokens=settings.max_tokens,
         stop_ids=pair.tokenizer.eos_token_ids,
-        seed=settings.seed,
         state=state,
         policy=request.policy,
     )
@@ -200,9 +209,8 @@ class Request:
     """One validated request, as the loop takes it."""
 
     tokens: list[int]
-    params: SamplingParams
+    settings: GenerationSettings  # its block size an int: the verify width, or under "auto" the widest
     drafter: Drafter | None
-    block_size: int
     stats: GenerationStats  # fresh, for this request's chunks
     policy: WidthPolicy | None = None  # block size "auto": the width is chosen every round
 
@@ -231,14 +239,14 @@ def prepare_request(
         block_size=block_size if drafter is not None else 1,
         block_policy="auto" if policy is not None else "fixed",
     )
-    return Request(tokens, settings.sampling, drafter, block_size, stats, policy)
+    return Request(tokens, replace(settings, block_size=block_size), drafter, stats, policy)
 
 
 def widest_width(drafter: Drafter) -> int:
     """The widest verify `drafter` can fill: its block size (a DFlash drafter's trained block; a draft model's
     or prompt lookup's draft_k + 1), or an adaptive draft model's most drafts + 1."""
-    if getattr(drafter, "adaptive", False):
-        return max(drafter.block_size, int(getattr(drafter, "max_k", 0)) + 1)
+    if drafter.adaptive:
+        return max(drafter.block_size, drafter.max_k + 1)
     return drafter.block_size
 
 
@@ -292,7 +300,7 @@ def _chunks(
 ) -> Iterator[GenerationChunk]:
     detok = tokenizer.detokenizer
     detok.reset()
-    first_at = last_at = start
+    first_at = start
     for index, step in enumerate(steps):
         now = time.perf_counter()
         new = step.tokens[:-1] if step.stopped else step.tokens
@@ -302,20 +310,13 @@ def _chunks(
             stats.ttft_s = now - start
             stats.prefill_tokens_per_second = step.prefill_tokens / max(step.verify_s, 1e-9)
         else:
-            last_at = now
             stats.target_forwards += 1
             stats.acceptance_lengths.append(len(step.tokens))
             stats.verify_widths.append(step.drafted + 1)
             stats.draft_s += step.draft_s
             stats.verify_s += step.verify_s
-        stats.generated_tokens += len(new)
-        if stats.generated_tokens > 1 and last_at > first_at:
-            stats.decode_tokens_per_second = (stats.generated_tokens - 1) / (last_at - first_at)
+        stats.tally(stats.generated_tokens + len(new), first_at, now, stopped=step.stopped, max_tokens=max_tokens)
         stats.peak_memory_gb = peak_memory_gb()
-        if step.stopped:
-            stats.finish_reason = "stop"
-        elif stats.generated_tokens >= max_tokens:
-            stats.finish_reason = "length"
         for t in new:
             detok.add_token(t)
         if stats.finish_reason is not None:
@@ -330,12 +331,20 @@ def _chunks(
         stats.finish_reason = "length"
 
 
-def collect(chunks) -> GenerationResult:
+def collect(
+    chunks: Generator[GenerationChunk, None, None], on_chunk: Callable[[GenerationChunk], bool] | None = None
+) -> GenerationResult:
+    """The answer a stream of chunks makes. `on_chunk` hears each chunk as it comes; once it returns True the
+    stream is closed there, at a round boundary (a `DecodeState` then holds exactly what the target processed),
+    and the answer is what came so far."""
     text, ids, stats = [], [], GenerationStats()
-    for chunk in chunks:
-        text.append(chunk.text)
-        ids.extend(chunk.token_ids)
-        stats = chunk.stats
+    with closing(chunks):
+        for chunk in chunks:
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            stats = chunk.stats
+            if on_chunk is not None and on_chunk(chunk):
+                break
     return GenerationResult("".join(text), ids, stats)
 
 

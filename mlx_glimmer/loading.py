@@ -1,6 +1,6 @@
 """Opening a target/drafter pair: from a bundle, or from transformers-layout directories.
 
-BUNDLE layout (DESIGN.md section 2):
+BUNDLE layout (docs/design.md, "The pipeline"):
     BUNDLE/glimmer.json   {"format": "mlx-glimmer/1", "target": "target", "drafter": "drafter" | null, ...}
     BUNDLE/target/        an mlx-lm model directory (mlx_lm.load opens it as is)
     BUNDLE/drafter/       config.json + *.safetensors (no embedding, no lm_head)
@@ -20,18 +20,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .blas import check_fast_blas
-from .drafters import DRAFT_MODEL, FAMILIES, drafter_kind
+from .drafters.base import Drafter
+from .drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
-from .files import (  # noqa: F401  (bundle paths live in files.py, which the CLI reads before MLX loads)
-    BUNDLE_FORMAT,
-    PairPaths,
-    check_model_dir,
-    check_weight_files,
-    pair_paths,
-    read_bundle_manifest,
-)
+from .files import check_model_dir, check_weight_files, pair_paths
 from .settings import MAX_DRAFT_K, check_draft_k
-from .speculative import Drafter
 from .target import Target
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")

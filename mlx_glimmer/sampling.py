@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# Checked where every setting is (settings.py, free of MLX); imported from here by the engine and tests.
-from .settings import SamplingError, SamplingParams  # noqa: F401
+from .settings import SamplingParams
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -46,6 +45,15 @@ def argmax(logits: mx.array) -> mx.array:
 def sample(probs: mx.array, key: mx.array) -> mx.array:
     """One token id per row of `probs` ([..., V] -> [...])."""
     return mx.random.categorical(mx.log(probs), key=key)
+
+
+def pick(target, logits, params: SamplingParams, key) -> tuple:
+    """One token per row of `logits`: the argmax, or a sample with the filtered distribution it came from.
+    On `target`'s own array library (a `speculative.TargetModel`: its `sampling` ops do the work)."""
+    if params.greedy:
+        return target.sampling.argmax(logits), None
+    probs = target.sampling.probabilities(logits, params)
+    return target.sampling.sample(probs, key), probs
 
 
 def spread(probs: mx.array, ids: mx.array, vocab_size: int) -> mx.array:

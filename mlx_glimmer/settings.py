@@ -11,12 +11,14 @@ MLX: the command line checks its flags with it before anything heavy loads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import GlimmerError
 
-AUTO = "auto"
-SEED_LIMIT = 2**63  # seeds are integers in [0, 2**63): what MLX's and torch's generators both take
+AUTO = "auto"  # a verify width chosen every round (`block_policy.py`)
+SEED_BITS = 63  # seeds are integers in [0, 2**63): what MLX's and torch's generators both take
+SEED_LIMIT = 2**SEED_BITS
+SEED_RULE = f"must be a whole number in [0, 2**{SEED_BITS})"
 MAX_DRAFT_K = 16  # most tokens a draft model or prompt lookup proposes per round (`--draft-k`, `load(draft_k=)`)
 
 
@@ -69,7 +71,7 @@ class GenerationSettings:
     width (drafted tokens + the anchor): "auto" chooses it every round from measured verify cost and live
     acceptance, up to the drafter's block size (`block_policy.py`); an int fixes it, and one wider than the
     drafter can fill is capped at that. `speculative=False` decodes with the target alone (the baseline).
-    `seed` seeds sampling: an integer in [0, 2**63)."""
+    `seed` seeds sampling: an integer in [0, SEED_LIMIT)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
@@ -78,15 +80,13 @@ class GenerationSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.block_size is None:
-            object.__setattr__(self, "block_size", AUTO)
         b = self.block_size
         if b != AUTO and not (_whole(b) and b >= 1):
             raise SamplingError("block_size", "must be 'auto' or a whole number >= 1", b)
         if not (_whole(self.max_tokens) and self.max_tokens >= 1):
             raise SamplingError("max_tokens", "must be a whole number >= 1", self.max_tokens)
         if not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
-            raise SamplingError("seed", "must be a whole number in [0, 2**63)", self.seed)
+            raise SamplingError("seed", SEED_RULE, self.seed)
         if not isinstance(self.speculative, bool):
             raise SamplingError("speculative", "must be true or false", self.speculative)
         if not isinstance(self.sampling, SamplingParams):
@@ -104,6 +104,11 @@ class GenerationSettings:
         if sampling:
             changes["sampling"] = replace(self.sampling, **sampling)
         return replace(self, **changes) if changes else self
+
+    def flat(self) -> dict:
+        """The flat keywords of `of` that make this value."""
+        rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"}
+        return {**asdict(self.sampling), **rest}
 
     @property
     def auto(self) -> bool:

@@ -1,8 +1,9 @@
 """The speculative loop: draft a block, verify it in one target pass, keep the agreeing prefix.
 
 Written once for every array library. The loop only knows a `TargetModel` (the
-target on one library: MLX's `target.Target`, torch's `TorchTarget`), a
-`Drafter` and sampling settings; it yields one `Step` per target call and
+target on one library: MLX's `target.Target`, torch's `TorchTarget`; the
+protocol below), a `Drafter` (the base class every proposer inherits,
+`drafters/base.py`) and `GenerationSettings`; it yields one `Step` per target call and
 leaves text, stats and stopping on strings to its callers. With no drafter (or
 `block_size` 1) every round is a plain decoding step through the same
 sampler: that is the baseline.
@@ -20,46 +21,16 @@ timed as a whole, from one read to the next (`WidthPolicy.observe_round`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .block_policy import WidthPolicy
+from .drafters.base import Drafter
 from .errors import GlimmerError
-from .sampling import SamplingParams
+from .sampling import pick
+from .settings import GenerationSettings, SamplingParams
 
 Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    """What the loop asks of a drafter; its arrays are its target's kind.
-
-    observe(tokens, features)   the next n committed token ids the target has processed, and their
-                                features [n, k*H] (None without target_layer_ids)
-    propose(anchor, count, params, key)
-                                at most `count` draft tokens, and the distributions [n, V] they were
-                                drawn from (None: chosen deterministically)
-    rollback(n)                 forget the last n observed positions; False (and no change) if it cannot
-    """
-
-    kind: str  # name for stats ("dflash", ...)
-    target_layer_ids: tuple[int, ...]  # target layers whose outputs it reads (may be empty)
-    block_size: int  # default verify width: drafted tokens + the anchor
-
-    def reset(self) -> None: ...  # start a new sequence
-    def observe(self, tokens: list[int], features: Array | None) -> None: ...
-    def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Array, Array | None]: ...
-    def rollback(self, n: int) -> bool: ...
-
-    # Optional (block drafters have them; the loop works without):
-    #   backlog: int        observed positions not yet projected into the drafter's context
-    #   settle() -> list    project them now; returns the arrays to evaluate (with the prefill, or launched
-    #                       during plain rounds), so no round's draft pays for a prompt's context
-
-
-def _settle(drafter) -> list:
-    settle = getattr(drafter, "settle", None)
-    return list(settle()) if settle is not None else []
 
 
 class SamplingOps(Protocol):
@@ -68,6 +39,7 @@ class SamplingOps(Protocol):
     def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
     def argmax(self, logits: Array) -> Array: ...
     def sample(self, probs: Array, key: Any) -> Array: ...
+    def spread(self, probs: Array, ids: Array, vocab_size: int) -> Array: ...  # [n, len(ids)] -> [n, vocab_size]
     def greedy_verdict(self, draft: Array, target_logits: Array) -> Array: ...  # [accepted, next token], lazy
     def sampled_verdict(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> Array: ...
 
@@ -88,11 +60,24 @@ class TargetModel(Protocol):
     lazy                             True where work only runs when launched or read (MLX): the loop then
                                      queues the next round before yielding this one
     memory                           `memory.DeviceMemory`: clear_cache cadence (a no-op off Metal)
+
+    The drafters also read its shape (`hidden_size`, `num_layers`, `vocab_size`), embed tokens with its
+    table and borrow its head; `generate` reports its peak memory.
     """
 
     sampling: SamplingOps
     lazy: bool
     memory: Any
+    model: Any  # the library's own model: its weights stay resident while it generates
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def activation_dtype(self) -> Any: ...  # the dtype of its hidden states (a drafter's weights take it)
 
     def capture(self, layer_ids: Sequence[int]) -> None: ...
     def forward(self, tokens: Array, cache: Any, capture: bool) -> tuple[Array, Array | None]: ...
@@ -107,14 +92,11 @@ class TargetModel(Protocol):
     def launch(self, *arrays: Array | None) -> None: ...
     def sync(self, *arrays: Array | None, cache: Any = None) -> None: ...
     def read(self, *arrays: Array | None) -> list[int]: ...
-
-
-def pick(target: TargetModel, logits: Array, params: SamplingParams, key) -> tuple[Array, Array | None]:
-    """One token per row of `logits`: the argmax, or a sample with the filtered distribution it came from."""
-    if params.greedy:
-        return target.sampling.argmax(logits), None
-    probs = target.sampling.probabilities(logits, params)
-    return target.sampling.sample(probs, key), probs
+    def embed(self, ids: Array) -> Array: ...  # raw rows of the token embedding table
+    def head_rows(self, ids: Array) -> Callable[[Array], Array]: ...  # the head over vocabulary rows `ids` only
+    def reset_peak_memory(self) -> None: ...
+    def peak_memory_gb(self) -> float: ...
+    def last_logits(self, tokens: list[int]) -> Any: ...  # float32 numpy logits [V] after a full forward
 
 
 def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> Array:
@@ -224,26 +206,24 @@ class _Round:
 def generate_steps(
     target: TargetModel,
     prompt: Sequence[int],
+    settings: GenerationSettings = GenerationSettings(),
     *,
     drafter: Drafter | None = None,
-    params: SamplingParams = SamplingParams(),
-    block_size: int = 16,
-    max_tokens: int = 256,
     stop_ids: Sequence[int] = (),
-    seed: int = 0,
-    prefill_step: int = 512,
     state: DecodeState | None = None,
     policy: WidthPolicy | None = None,
+    prefill_step: int = 512,
 ) -> Iterator[Step]:
-    """One `Step` per target call. `block_size` is the verify width (drafts + anchor); with a `policy`
-    (`block_policy.WidthPolicy`, `--block-size auto`) each round's width is the policy's choice, at most
-    `block_size`, and width 1 is a plain step (no drafter call)."""
+    """One `Step` per target call, generating as `settings` say. With a drafter (and `settings.speculative`)
+    the verify width (drafts + anchor) is `settings.block_size`, or under "auto" the drafter's block size; with
+    a `policy` (`block_policy.WidthPolicy`) each round's width is the policy's choice, and width 1 is a plain
+    step (no drafter call). Without a drafter every step is a plain one."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    if max_tokens <= 0:
-        return
     prompt = list(prompt)
-    block_size = max(1, int(block_size)) if drafter is not None else 1
+    drafter = drafter if settings.speculative else None
+    block_size = 1 if drafter is None else drafter.block_size if settings.auto else settings.block_size
+    params, max_tokens = settings.sampling, settings.max_tokens
     stop = set(int(t) for t in stop_ids)
     capture = drafter is not None and bool(drafter.target_layer_ids)
     if drafter is not None:
@@ -253,7 +233,7 @@ def generate_steps(
     state.owner = owner = object()
     state.reused_tokens = done
     cache = state.cache
-    key = target.new_key(seed)
+    key = target.new_key(settings.seed)
     memory = target.memory
 
     # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only. The
@@ -268,7 +248,7 @@ def generate_steps(
         context = []
         if drafter is not None:
             drafter.observe(chunk, feats)
-            context = _settle(drafter)
+            context = drafter.settle()
         state.processed.extend(chunk)
         if start + prefill_step < len(todo):
             target.sync(feats, *context, cache=cache)
@@ -285,9 +265,74 @@ def generate_steps(
     if drafter is None:
         yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop)
         return
-    yield from _speculative_steps(
-        target, state, owner, drafter, first, params, key, max_tokens, block_size, stop, capture, policy
-    )
+    settings = replace(settings, block_size=block_size)
+    yield from _speculative_steps(target, state, owner, drafter, first, settings, key, stop, policy)
+
+
+def _launch(
+    target: TargetModel,
+    drafter: Drafter,
+    cache,
+    capture: bool,
+    params: SamplingParams,
+    keys: tuple,
+    anchor: int | None,
+    anchor_ids: Array,
+    width: int,
+    block_size: int,
+) -> _Round:
+    """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict. `keys`: the
+    draft's and the verdict's random keys (None when greedy)."""
+    k_draft, k_accept = keys
+    tic = time.perf_counter()
+    draft, draft_probs, timed = target.tokens([]), None, True
+    inputs = anchor_ids
+    if width > 1:
+        # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
+        # this round's time unrepresentative: the policy then learns only its acceptance.
+        timed = drafter.backlog <= block_size
+        # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
+        draft, draft_probs = drafter.propose(anchor, width - 1, params, k_draft)
+        draft = target.tokens(draft)
+        target.launch(draft, draft_probs)
+        inputs = target.join(anchor_ids, draft)
+    draft_s = time.perf_counter() - tic
+    hidden, feats = target.forward(inputs, cache, capture)
+    verdict = _verdict(target, target.head(hidden), draft, draft_probs, params, k_accept)
+    target.launch(verdict)
+    return _Round(draft.shape[0] + 1, draft, feats, verdict, draft_s, timed)
+
+
+def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
+    """Each round's (draft key, verdict key), split off `key` in turn; greedy rounds draw nothing."""
+    while True:
+        if greedy:
+            yield None, None
+        else:
+            key, k_draft, k_accept = target.split(key, 2)
+            yield k_draft, k_accept
+
+
+def _commit(
+    target: TargetModel, state: DecodeState, drafter: Drafter, rnd: _Round, anchor: int, values: list[int], stop: set
+) -> tuple[list[int], bool]:
+    """The tokens a read round commits (`values`: its verdict, then its draft), up to the first stop token, and
+    whether one came. The target processed [anchor] + drafts; all after [anchor] + committed[:-1] is rolled
+    back, and that much is what the drafter observes and `state.processed` gains."""
+    accepted, nxt = values[0], values[1]
+    committed = values[2 : 2 + accepted] + [nxt]
+    stopped = False
+    for i, t in enumerate(committed):
+        if t in stop:
+            committed, stopped = committed[: i + 1], True
+            break
+    m = len(committed)
+    if rnd.width > m:  # never with a round queued behind this one: that only follows width 1
+        target.trim(state.cache, rnd.width - m)
+    processed = [anchor] + committed[:-1]
+    drafter.observe(processed, rnd.feats[:m] if rnd.feats is not None else None)
+    state.processed.extend(processed)
+    return committed, stopped
 
 
 def _speculative_steps(
@@ -296,46 +341,26 @@ def _speculative_steps(
     owner,
     drafter: Drafter,
     anchor: int,
-    params,
+    settings: GenerationSettings,
     key,
-    max_tokens: int,
-    block_size: int,
     stop: set,
-    capture: bool,
     policy: WidthPolicy | None,
 ) -> Iterator[Step]:
     """The rounds after the first token: one host read each, the next round queued before the caller sees
     this one (on a lazy library), width-1 rounds queued one ahead. `state.ahead` counts the cache entries of
-    queued rounds, undone when this generator is closed (or by the next generation on the state)."""
-    cache = state.cache
+    queued rounds, undone when this generator is closed (or by the next generation on the state).
+    `settings.block_size` is the widest verify, a number."""
+    cache, params, max_tokens, block_size = state.cache, settings.sampling, settings.max_tokens, settings.block_size
+    capture, keys = bool(drafter.target_layer_ids), _round_keys(target, key, params.greedy)
     generated = 1
 
     def width_for(context: int, committed: int) -> int:
         return min(policy.choose(context) if policy is not None else block_size, max_tokens - committed)
 
     def launch(anchor: int | None, anchor_ids: Array, width: int) -> _Round:
-        """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict."""
-        nonlocal key
-        k_draft = k_accept = None  # greedy rounds draw nothing
-        if not params.greedy:
-            key, k_draft, k_accept = target.split(key, 2)
-        tic = time.perf_counter()
-        draft, draft_probs, timed = target.tokens([]), None, True
-        inputs = anchor_ids
-        if width > 1:
-            # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
-            # this round's time unrepresentative: the policy then learns only its acceptance.
-            timed = getattr(drafter, "backlog", 0) <= block_size
-            # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-            draft, draft_probs = drafter.propose(anchor, width - 1, params, k_draft)
-            draft = target.tokens(draft)
-            target.launch(draft, draft_probs)
-            inputs = target.join(anchor_ids, draft)
-        draft_s = time.perf_counter() - tic
-        hidden, feats = target.forward(inputs, cache, capture)
-        verdict = _verdict(target, target.head(hidden), draft, draft_probs, params, k_accept)
-        target.launch(verdict)
-        return _Round(draft.shape[0] + 1, draft, feats, verdict, draft_s, timed)
+        rnd = _launch(target, drafter, cache, capture, params, next(keys), anchor, anchor_ids, width, block_size)
+        state.ahead += rnd.width  # its forward sits in the cache past `state.processed`
+        return rnd
 
     queued: _Round | None = None  # the next round, already on the device
     planned: int | None = None  # the next round's width, chosen before this round was read
@@ -347,7 +372,6 @@ def _speculative_steps(
                 width = planned if planned is not None else width_for(context, generated)
                 planned = None
                 queued = launch(anchor, target.tokens([anchor]), width)
-                state.ahead = queued.width
             rnd, queued = queued, None
             if rnd.width == 1 and generated + 1 < max_tokens:
                 # Plain round: choose the next width now; if it is plain too, queue its forward on this
@@ -356,29 +380,15 @@ def _speculative_steps(
                 if planned == 1:
                     planned = None
                     queued = launch(None, rnd.verdict[1:], 1)
-                    state.ahead += 1
             values = target.read(rnd.verdict, rnd.draft)
             now = time.perf_counter()
-            accepted, nxt = values[0], values[1]
-            committed = values[2 : 2 + accepted] + [nxt]
-            stopped = False
-            for i, t in enumerate(committed):
-                if t in stop:
-                    committed, stopped = committed[: i + 1], True
-                    break
-            # The target processed [anchor] + drafts; everything after [anchor] + committed[:-1] is rolled back.
-            m = len(committed)
-            if rnd.width > m:  # never with a round queued behind this one: that only follows width 1
-                target.trim(cache, rnd.width - m)
-            processed = [anchor] + committed[:-1]
-            drafter.observe(processed, rnd.feats[:m] if rnd.feats is not None else None)
-            state.processed.extend(processed)
+            committed, stopped = _commit(target, state, drafter, rnd, anchor, values, stop)
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
-                policy.observe_round(rnd.width, accepted, context, now - last_read, rnd.timed)
+                policy.observe_round(rnd.width, values[0], context, now - last_read, rnd.timed)
             round_s, last_read = now - last_read, now
-            target.memory.tick(generated, generated + m)
-            generated += m
+            target.memory.tick(generated, generated + len(committed))
+            generated += len(committed)
             anchor = committed[-1]
             if not stopped and generated < max_tokens and queued is None and target.lazy:
                 # Queue the next round before handing this one over. Only where work is lazy: torch computes a
@@ -386,9 +396,8 @@ def _speculative_steps(
                 width = planned if planned is not None else width_for(len(state.processed) + 1, generated)
                 planned = None
                 queued = launch(anchor, target.tokens([anchor]), width)
-                state.ahead = queued.width
-            if (queued is None or queued.width == 1) and getattr(drafter, "backlog", 0) >= block_size:
-                target.launch(*_settle(drafter))  # plain rounds: project their context in batches, off the read
+            if (queued is None or queued.width == 1) and drafter.backlog >= block_size:
+                target.launch(*drafter.settle())  # plain rounds: project their context in batches, off the read
             yield Step(
                 committed,
                 drafted=rnd.width - 1,

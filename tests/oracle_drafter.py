@@ -2,8 +2,10 @@
 
 import mlx.core as mx
 
+from mlx_glimmer.drafters.base import Drafter
 
-class OracleDrafter:
+
+class OracleDrafter(Drafter):
     """Proposes `continuation[i]` for generated index i, except at `wrong` indices.
 
     This exercises the loop at high acceptance (long accepted runs, full

@@ -1,4 +1,4 @@
-"""Bad input never gets a traceback, a hang, silent garbage or a leftover (DESIGN.md section 3).
+"""Bad input never gets a traceback, a hang, silent garbage or a leftover (docs/design.md, "Design decisions").
 
 Every example of bad input for the command line, the Python API, bench, distill, demo and chat's startup,
 as a table of what the user typed and what the one `error:` line says. The property-based counterpart is
@@ -7,6 +7,7 @@ test_cli_properties.py; the server's 4xx bodies are the server's tests.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import io
 import json
@@ -112,6 +113,49 @@ def test_an_empty_stdin_prompt_is_one_error_line(bundle, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["generate", str(bundle), "--prompt", "-"]) == 2
     one_error_line(capsys.readouterr().err, "generate: --prompt -: standard input is empty")
+
+
+def lock_out(monkeypatch, locked: Path) -> None:
+    """`locked` as a directory the user may not read (mode 000, not root): it is there, nothing in it can be
+    listed or looked at. Simulated, so the test also runs as root, whom no mode keeps out."""
+    real_stat, real_listdir, real_scandir = Path.stat, os.listdir, os.scandir
+
+    def check(path) -> None:
+        if Path(path) == locked or locked in Path(path).parents:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    def stat(self, **kwargs):
+        if locked in self.parents:
+            check(self)
+        return real_stat(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(os, "listdir", lambda path=".": check(path) or real_listdir(path))
+    monkeypatch.setattr(os, "scandir", lambda path=".": check(path) or real_scandir(path))
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("inside", ["", "target"], ids=["bundle", "its target"])
+def test_a_directory_the_user_cannot_read_is_one_error_line(bundle, capsys, monkeypatch, command, inside):
+    locked = bundle / inside if inside else bundle
+    lock_out(monkeypatch, locked)
+    argv = [command, str(bundle), *(["--prompt", "Hi"] if command == "generate" else [])]
+    assert main(argv) != 0
+    one_error_line(capsys.readouterr().err, f"{locked}: cannot read", "Permission denied")
+
+
+def test_a_directory_without_read_permission_is_one_error_line(bundle, tmp_path, capsys):
+    """The same with a real mode 000, where it keeps the user out (not as root)."""
+    locked = tmp_path / "locked"
+    shutil.copytree(bundle, locked)
+    locked.chmod(0)
+    try:
+        if os.access(locked, os.R_OK):
+            pytest.skip("this user reads a directory of mode 000 (root): the simulated test covers it")
+        assert main(["generate", str(locked), "--prompt", "Hi"]) != 0
+        one_error_line(capsys.readouterr().err, f"{locked}: cannot read")
+    finally:
+        locked.chmod(0o755)
 
 
 def test_chat_with_a_broken_bundle_stops_before_the_app(list_manifest, capsys, monkeypatch):
@@ -247,7 +291,7 @@ DISTILL_EXAMPLES = [
     (["--context-layers", "99"], "--context-layers must be in [1, 3] for a 6-layer target, got 99"),
     (["--layers", "7"], "--layers must be in [1, 6]"),
     (["--temperatures", "0,nan"], "--temperatures"),
-    (["--init", "/missing"], "--init /missing: neither 'random', 'target' nor a drafter directory"),
+    (["--init", "/missing"], "--init /missing: neither 'random', 'target', 'target:L1,L2,...' nor a drafter directory"),
     (["--seed", "-1"], "argument --seed: must be in [0, 2**63)"),
     (["--train-tags", "greedy,warm"], "--train-tags 'greedy,warm': tags are greedy, followup or t<temperature>"),
     (["--context-scale", "layer"], "argument --context-scale: invalid choice: 'layer'"),

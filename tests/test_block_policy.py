@@ -30,7 +30,8 @@ def run(policy: WidthPolicy, accept_prob: float, rounds: int, seed: int = 0) -> 
         kept = 0
         while kept < w - 1 and rng.random() < accept_prob:
             kept += 1
-        policy.observe(w, kept, 100, draft_s=0.2, verify_s=policy.cost.estimate(w, 100))
+        # The loop times a round as a whole: the verify at this width, plus 0.2 s of drafting when it drafted.
+        policy.observe_round(w, kept, 100, seconds=policy.cost.estimate(w, 100) + (0.2 if w > 1 else 0.0))
     return widths
 
 
@@ -128,3 +129,29 @@ def test_a_noisy_cost_table_cannot_make_plain_look_dearer_than_a_wider_verify():
     assert all(cost.estimate(w, 100) >= cost.estimate(w - 1, 100) for w in range(2, 9))
     widths = run(WidthPolicy(cost, AcceptanceModel(7)), accept_prob=0.0, rounds=400)
     assert np.mean([w == 1 for w in widths[100:]]) > 0.95
+
+
+def test_a_round_that_projects_a_long_backlog_seeds_no_estimate():
+    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
+    policy = WidthPolicy(cost, AcceptanceModel(3))
+    policy.observe_round(4, 3, 100, seconds=50.0, timed=False)
+    assert policy.draft_seconds is None and cost.counts[0] == [0, 0, 0, 0]
+    assert policy.acceptance.offered[0] == 1.0  # its acceptance still counts
+    policy.observe_round(4, 3, 100, seconds=1.5)
+    assert policy.draft_seconds == 1.5 - 1.3
+
+
+def test_one_slow_first_round_does_not_keep_drafting_off():
+    """Load only adds time: rounds cheaper than the draft estimate pull it down fast."""
+    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
+    policy = WidthPolicy(cost, AcceptanceModel(3))
+    policy.observe_round(4, 3, 100, seconds=1.3 + 20.0)  # a cold first round: 20 s of "drafting"
+    assert policy.draft_seconds == pytest.approx(20.0)
+    for _ in range(6):
+        policy.observe_round(4, 3, 100, seconds=1.3 + 0.2)
+    assert policy.draft_seconds < 0.6
+    assert policy.choose(100) > 1
+    for _ in range(50):  # and a spike later moves it only a little
+        policy.observe_round(4, 3, 100, seconds=1.5)
+    policy.observe_round(4, 3, 100, seconds=1.3 + 5.0)
+    assert policy.draft_seconds < 0.2 + 0.1 * 5.0 + 1e-9

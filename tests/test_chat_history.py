@@ -12,11 +12,11 @@ import sqlite3
 import threading
 
 import pytest
-from test_tui import SIZE, gate_after, idle, look, pair, say, settings_kwargs  # noqa: F401  (pair: a fixture)
+from test_tui import SIZE, gate_after, idle, look, pair, run_scenario, say, settings_kwargs  # noqa: F401  (pair: a fixture)
 
 from mlx_glimmer.cli import main
 from mlx_glimmer.tui.app import ChatApp
-from mlx_glimmer.tui.chats import ConversationList
+from mlx_glimmer.tui.screens.conversations import ConversationList
 from mlx_glimmer.tui.session import Settings
 from mlx_glimmer.tui.store import Store, open_store
 from mlx_glimmer.tui.widgets import AssistantMessage
@@ -31,18 +31,8 @@ def store(tmp_path):
 
 def chat(pair, scenario, *, store=None, **options):
     """Run `scenario(app, pilot)` in an app with history; returns what `look` saw at the end."""
-    settings = options.pop("settings", Settings(max_tokens=24, block_size=4))
-    app = ChatApp(lambda: pair, settings, source="the tiny pair", store=store, **options)
-    view = []
-
-    async def run():
-        async with app.run_test(size=SIZE) as pilot:
-            await idle(app, pilot)
-            await scenario(app, pilot)
-            view.append(look(app))
-
-    asyncio.run(run())
-    return view[0]
+    settings = options.pop("settings", Settings.of(max_tokens=24, block_size=4))
+    return run_scenario(ChatApp(lambda: pair, settings, source="the tiny pair", store=store, **options), scenario)
 
 
 async def nothing(app, pilot):
@@ -88,14 +78,14 @@ def test_a_cancelled_answer_is_saved_and_marked(pair, store, monkeypatch):
         release.set()
         await idle(app, pilot)
 
-    chat(pair, scenario, store=store, settings=Settings(max_tokens=60, block_size=4))
+    chat(pair, scenario, store=store, settings=Settings.of(max_tokens=60, block_size=4))
     (turn,) = store.load(store.last_id()).turns
     assert turn.cancelled and turn.stats.finish_reason == "cancelled" and turn.token_ids
 
 
 def test_quitting_during_an_answer_saves_it_marked_cancelled(pair, store, tmp_path, monkeypatch):
     reached, release = gate_after(monkeypatch, 2)
-    app = ChatApp(lambda: pair, Settings(max_tokens=60, block_size=4), source="the tiny pair", store=store)
+    app = ChatApp(lambda: pair, Settings.of(max_tokens=60, block_size=4), source="the tiny pair", store=store)
 
     async def run():
         async with app.run_test(size=SIZE) as pilot:
@@ -122,7 +112,7 @@ def test_settings_commands_are_saved_with_the_conversation(pair, store):
 
     chat(pair, scenario, store=store)
     settings = store.load(store.last_id()).settings
-    assert (settings.temperature, settings.system) == (0.5, "Be brief.")
+    assert (settings.generation.sampling.temperature, settings.system) == (0.5, "Be brief.")
 
 
 # --- resuming -------------------------------------------------------------------------------
@@ -153,9 +143,9 @@ def test_resume_rebuilds_the_cache_so_the_next_turn_is_as_in_a_live_session(pair
         rebuilt["users"] = user_notes(app)
 
     # The app starts with other settings: the conversation's own come back.
-    view = chat(pair, resumed, store=store, resume=cid, settings=Settings(max_tokens=24, block_size=4))
+    view = chat(pair, resumed, store=store, resume=cid, settings=Settings.of(max_tokens=24, block_size=4))
     assert rebuilt["processed"] == stored.processed  # exactly what the first session's cache held
-    assert rebuilt["settings"].block_size == 2
+    assert rebuilt["settings"].generation.block_size == 2
     assert rebuilt["users"] == ["Hello", "And then?"]
     assert view.answers[0] == stored.turns[0].answer  # the stored answer is shown
     assert any(i.startswith("Cache rebuilt: ") for i in view.info)
@@ -172,7 +162,8 @@ def test_flags_given_with_resume_override_the_stored_settings(pair, store):
 
     chat(pair, first, store=store)
     view = chat(pair, nothing, store=store, resume=store.last_id(), overrides={"max_tokens": 7})
-    assert (view.app.settings.temperature, view.app.settings.max_tokens) == (0.5, 7)
+    g = view.app.settings.generation
+    assert (g.sampling.temperature, g.max_tokens) == (0.5, 7)
 
 
 def test_a_first_message_is_sent_once_the_model_is_loaded(pair, store):
@@ -351,7 +342,7 @@ def test_chat_takes_a_first_message_a_bundle_or_both(started, checkpoints):
     (a, b, c, d) = started
     assert (a.first_message, a.source) == ("What is MLX?", "the demo pair")
     assert (b.first_message, b.source) == (None, str(bundle))
-    assert (c.first_message, c.source, c.settings.temperature) == ("hello", str(bundle), 0.5)
+    assert (c.first_message, c.source, c.settings.generation.sampling.temperature) == ("hello", str(bundle), 0.5)
     assert a.had_history and not d.had_history
 
 
@@ -361,7 +352,7 @@ def test_list_and_resume_on_the_command_line(started, tmp_path, capsys):
     assert main(["chat", "--resume"]) == 2
     assert capsys.readouterr().err.startswith("error: chat: no saved conversations yet")
     store = Store(tmp_path / "data" / "mlx-glimmer" / "chats.db")
-    cid = store.create("A saved chat", Settings(temperature=0.25))
+    cid = store.create("A saved chat", Settings.of(temperature=0.25))
     store.close()
     assert main(["chat", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -371,6 +362,30 @@ def test_list_and_resume_on_the_command_line(started, tmp_path, capsys):
     (a, b) = started
     assert a.resume == cid and a.overrides == {"top_k": 5}
     assert b.resume == cid and b.first_message == "and then?"
+
+
+def test_a_turn_whose_stored_stats_cannot_be_read_resumes_with_them_marked_unavailable(pair, started, tmp_path):
+    store = Store(tmp_path / "data" / "mlx-glimmer" / "chats.db")  # where the command line looks
+
+    async def first(app, pilot):
+        await say(app, pilot, "Hello")
+        await say(app, pilot, "Again")
+
+    chat(pair, first, store=store)
+    cid = store.last_id()
+    store._db.execute("UPDATE turns SET stats = '{\"decode_tokens_per_second\": 61.' WHERE position = 0")
+    assert main(["chat", "--resume", str(cid)]) == 0  # not a traceback: the app starts on it
+    assert started[0].resume == cid
+
+    view = chat(pair, nothing, store=store, resume=cid)
+    unreadable, kept = view.app.conversation.turns
+    assert unreadable.stats is None and unreadable.user == "Hello" and kept.stats is not None
+    assert view.summaries[0] == "stats unavailable" and "tok/s" in view.summaries[1]
+    assert view.answers[0] == unreadable.answer and not view.errors
+    assert any(i.startswith("Resumed “Hello”") for i in view.info) and any(
+        i.startswith("Cache rebuilt") for i in view.info
+    )
+    store.close()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import tiny_checkpoints as tc
 
 from mlx_glimmer.drafters.draft_model import DraftModelDrafter
 from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
-from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
@@ -19,7 +19,7 @@ def tokens(steps):
 
 @pytest.fixture(scope="module")
 def plain(muse_pair):
-    return tokens(generate_steps(muse_pair.target, PROMPT, max_tokens=N))
+    return tokens(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N)))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def other_model(tmp_path_factory):
 def test_draft_model_greedy_is_lossless_past_the_window(muse_pair, plain, other_model, draft_k, adaptive):
     for model in (other_model, muse_pair.target.model):  # disagreeing; and self-drafting (agrees always)
         d = DraftModelDrafter(model, draft_k=draft_k, adaptive=adaptive)
-        steps = list(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=17, max_tokens=N))
+        steps = list(
+            generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N, block_size=17), drafter=d)
+        )
         assert tokens(steps) == plain
     # Self-drafting accepts every draft: rounds commit k + 1 tokens (adaptive: growing to the cap).
     lengths = [len(s.tokens) for s in steps[1:-1]]
@@ -44,18 +46,21 @@ def test_draft_model_greedy_is_lossless_past_the_window(muse_pair, plain, other_
 
 def test_adaptive_k_grows_after_full_accepts_and_shrinks_after_rejections(muse_pair, other_model):
     d = DraftModelDrafter(other_model, draft_k=4, adaptive=True)
-    steps = list(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=17, max_tokens=60))
+    steps = list(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=60, block_size=17), drafter=d))
     offered = [s.drafted for s in steps[1:]]
     assert min(offered) <= 2  # a disagreeing model is cut back quickly
     d = DraftModelDrafter(muse_pair.target.model, draft_k=2, adaptive=True)
-    steps = list(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=17, max_tokens=60))
+    steps = list(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=60, block_size=17), drafter=d))
     offered = [s.drafted for s in steps[1:]]
     assert offered[:4] == [2, 4, 6, 8]
 
 
 def test_prompt_lookup_is_lossless_and_proposes_copies(muse_pair, plain):
     d = PromptLookupDrafter(draft_k=8)
-    assert tokens(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=9, max_tokens=N)) == plain
+    assert (
+        tokens(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N, block_size=9), drafter=d))
+        == plain
+    )
     assert d.lookup([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
     assert d.lookup([5, 6, 7], 3) == []
 
@@ -74,7 +79,9 @@ def test_draft_model_sampling_follows_the_target_distribution(tmp_path):
     draws, kept, rejected = [], 0, 0
     for seed in range(700):
         d = DraftModelDrafter(dm, draft_k=3)
-        steps = list(generate_steps(t, SP, drafter=d, params=params, block_size=4, max_tokens=3, seed=seed))
+        steps = list(
+            generate_steps(t, SP, GenerationSettings(params, max_tokens=3, block_size=4, seed=seed), drafter=d)
+        )
         kept += sum(len(s.tokens) - 1 for s in steps[1:])
         rejected += sum(s.drafted - (len(s.tokens) - 1) for s in steps[1:])
         draws.append([x for s in steps for x in s.tokens][:3])

@@ -1,5 +1,5 @@
 """Drawn bad flag values for generate, bench, distill, demo and chat always end as the
-contract says (DESIGN.md section 3): exit 2, exactly one `error:` line that names the flag, no traceback,
+contract says (docs/design.md, "Design decisions"): exit 2, exactly one `error:` line that names the flag, no traceback,
 within a time bound, and nothing written or loaded.
 
 Each example is one command with one bad value among good ones; the rest of its command line names a

@@ -504,7 +504,7 @@ def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path):
     while the caller goes on: returns a function that waits for them.
 
     MLX's quantized float16 CPU kernels take seconds per token; on Metal they run as they are.
-    A fresh process can use Debian's OpenBLAS (DESIGN.md section 5), 20x MLX's bundled BLAS.
+    A fresh process can use Debian's OpenBLAS (docs/design.md, "Linux CPUs"), 20x MLX's bundled BLAS.
     """
     env = dict(os.environ)
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:

@@ -10,6 +10,7 @@ import mlx_glimmer
 from mlx_glimmer.demo import SHIPPED_DRAFTER
 from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
 from mlx_glimmer.generate import encode_prompt
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.network
@@ -45,10 +46,16 @@ def test_prompt_lookup_on_a_copying_answer(demo):
     msgs = [{"role": "user", "content": "Repeat the following paragraph exactly, word for word:\n\n" + text}]
     ids = encode_prompt(demo.tokenizer, msgs)
     stop = demo.tokenizer.eos_token_ids
-    plain = [t for s in generate_steps(demo.target, ids, max_tokens=60, stop_ids=stop) for t in s.tokens]
+    plain = [
+        t for s in generate_steps(demo.target, ids, GenerationSettings(max_tokens=60), stop_ids=stop) for t in s.tokens
+    ]
     steps = list(
         generate_steps(
-            demo.target, ids, drafter=PromptLookupDrafter(draft_k=10), block_size=11, max_tokens=60, stop_ids=stop
+            demo.target,
+            ids,
+            GenerationSettings(max_tokens=60, block_size=11),
+            drafter=PromptLookupDrafter(draft_k=10),
+            stop_ids=stop,
         )
     )
     assert [t for s in steps for t in s.tokens] == plain

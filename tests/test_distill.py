@@ -9,9 +9,12 @@ from mlx.utils import tree_flatten
 
 import mlx_glimmer
 from mlx_glimmer.distill.evaluate import heldout_acceptance
-from mlx_glimmer.distill.train import TrainConfig, Trainer, block_forward, target_features
+from mlx_glimmer.distill.features import target_features
+from mlx_glimmer.distill.step import TrainConfig
+from mlx_glimmer.distill.train import Trainer, block_forward
 from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
 from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: the torch steps on one thread
@@ -28,7 +31,9 @@ def records(llama_pair):
     out = []
     for i in range(6):
         prompt = [256] + list(f"prompt {i}: tell me".encode())
-        ans = [t for s in generate_steps(llama_pair.target, prompt, max_tokens=48) for t in s.tokens]
+        ans = [
+            t for s in generate_steps(llama_pair.target, prompt, GenerationSettings(max_tokens=48)) for t in s.tokens
+        ]
         out.append({"index": i, "tag": "greedy", "prompt_ids": prompt, "response_ids": ans})
     return out
 

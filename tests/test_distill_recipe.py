@@ -11,9 +11,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_glimmer
-from mlx_glimmer.distill.train import TrainConfig, Trainer, block_forward, target_features
+from mlx_glimmer.distill.features import target_features
+from mlx_glimmer.distill.step import TrainConfig
+from mlx_glimmer.distill.train import Trainer, block_forward
 from mlx_glimmer.drafters.dflash import DFlashModel
 from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 
@@ -22,7 +25,9 @@ def records(llama_pair):
     out = []
     for i in range(4):
         prompt = [256] + list(f"prompt {i}: say".encode())
-        ans = [t for s in generate_steps(llama_pair.target, prompt, max_tokens=32) for t in s.tokens]
+        ans = [
+            t for s in generate_steps(llama_pair.target, prompt, GenerationSettings(max_tokens=32)) for t in s.tokens
+        ]
         out.append({"index": i, "tag": "greedy" if i % 2 else "t0.8", "prompt_ids": prompt, "response_ids": ans})
     return out
 

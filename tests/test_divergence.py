@@ -4,13 +4,14 @@ import numpy as np
 
 from mlx_glimmer import bench
 from mlx_glimmer.divergence import explain_divergence, next_token_logits
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
 
 
 def plain_tokens(target, n=30):
-    return [t for s in generate_steps(target, PROMPT, max_tokens=n) for t in s.tokens]
+    return [t for s in generate_steps(target, PROMPT, GenerationSettings(max_tokens=n)) for t in s.tokens]
 
 
 def test_both_kernels_agree_with_plain_decoding_and_a_runner_up_gap_is_the_margin(muse_pair):

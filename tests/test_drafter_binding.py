@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 
 from mlx_glimmer.drafters.dflash import DFlashDrafter, load_dflash_model
 from mlx_glimmer.loading import load_target
-from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 from mlx_glimmer.target import head_weight, make_head, row_projection
 
@@ -37,7 +37,7 @@ def test_a_float16_drafter_beside_a_bfloat16_target_drafts_in_bfloat16(checkpoin
     draft, _ = drafter.propose(PROMPT[-1], 5, SamplingParams(), None)
     assert draft.shape == (5,)
     # The pair decodes end to end in that dtype (greedy output is checked in float32 elsewhere: bf16 ties flip).
-    steps = list(generate_steps(target, PROMPT, drafter=drafter, block_size=4, max_tokens=12))
+    steps = list(generate_steps(target, PROMPT, GenerationSettings(max_tokens=12, block_size=4), drafter=drafter))
     assert sum(len(s.tokens) for s in steps) == 12
 
 

@@ -16,7 +16,7 @@ import torch
 
 from mlx_glimmer.drafters.dflash2 import compute_logits, load_dflash2_model
 from mlx_glimmer.drafters.dspark import DSparkDrafter, load_dspark_model
-from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.network  # the reference packages come from PyPI on first use (then .cache/refpkgs)
@@ -161,7 +161,7 @@ def test_dspark_blocks_match_the_reference_across_rounds(family_ckpts):
 
 
 def plain_greedy(target, prompt, n):
-    return [t for s in generate_steps(target, prompt, drafter=None, max_tokens=n) for t in s.tokens]
+    return [t for s in generate_steps(target, prompt, GenerationSettings(max_tokens=n), drafter=None) for t in s.tokens]
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "dspark", "dspark_gated"])
@@ -172,7 +172,12 @@ def test_greedy_output_equals_plain_decoding_far_past_the_window(kind, pairs):
     prompt = rng.integers(0, 256, size=13).tolist()
     expected = plain_greedy(pair.target, prompt, 60)  # 73 positions: 9 windows of 8
     steps = list(
-        generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=60)
+        generate_steps(
+            pair.target,
+            prompt,
+            GenerationSettings(max_tokens=60, block_size=pair.drafter.block_size),
+            drafter=pair.drafter,
+        )
     )
     assert [t for s in steps for t in s.tokens] == expected
     drafted = [s.drafted for s in steps[1:]]
@@ -199,7 +204,12 @@ def test_dspark_head_without_its_own_embedding_borrows_the_target(family_ckpts, 
     assert not cfg.own_embeddings and not cfg.own_head
     prompt = list(range(30, 45))
     steps = list(
-        generate_steps(pair.target, prompt, drafter=pair.drafter, block_size=pair.drafter.block_size, max_tokens=30)
+        generate_steps(
+            pair.target,
+            prompt,
+            GenerationSettings(max_tokens=30, block_size=pair.drafter.block_size),
+            drafter=pair.drafter,
+        )
     )
     assert [t for s in steps for t in s.tokens] == plain_greedy(pair.target, prompt, 30)
 
@@ -273,11 +283,8 @@ def test_sampled_tokens_follow_the_target_distribution(kind, small_vocab_pairs):
             generate_steps(
                 pair.target,
                 PROMPT,
+                GenerationSettings(params, max_tokens=5, block_size=pair.drafter.block_size, seed=seed),
                 drafter=pair.drafter,
-                params=params,
-                block_size=pair.drafter.block_size,
-                max_tokens=5,
-                seed=seed,
             )
         )
         kept += sum(len(s.tokens) - 1 for s in steps[1:])

@@ -21,20 +21,12 @@ import pytest
 from test_store import a_turn
 from test_tui import SIZE, idle, look, pair, say  # noqa: F401  (pair: a fixture)
 
-from mlx_glimmer.tui import app as app_module
-from mlx_glimmer.tui import store as store_module
+from mlx_glimmer.tui import chat_history as chat_history_module
+from mlx_glimmer.tui import save_queue as save_queue_module
 from mlx_glimmer.tui.app import ChatApp
+from mlx_glimmer.tui.save_queue import ATTEMPT_S, FIRST_RETRY_S, RETRY_CAP_S, WAIT_NOW_S, ChatRef, SaveQueue
 from mlx_glimmer.tui.session import Settings
-from mlx_glimmer.tui.store import (
-    ATTEMPT_S,
-    FIRST_RETRY_S,
-    RETRY_CAP_S,
-    SCHEMA_VERSION,
-    WAIT_NOW_S,
-    ChatRef,
-    SaveQueue,
-    Store,
-)
+from mlx_glimmer.tui.store import SCHEMA_VERSION, Store
 
 # Once the lock is gone, the next attempt starts within the backoff cap and takes at most one busy timeout.
 CATCH_UP_S = RETRY_CAP_S + ATTEMPT_S + 2.0
@@ -174,9 +166,9 @@ def faster_clock(monkeypatch, clock: float) -> tuple[float, float]:
     (attempt, catch-up) times that hold then. The UI's own wait for a free database stays as it is."""
     if clock == 1.0:
         return ATTEMPT_S, CATCH_UP_S
-    monkeypatch.setattr(store_module, "FIRST_RETRY_S", FIRST_RETRY_S * clock)
-    monkeypatch.setattr(store_module, "RETRY_CAP_S", RETRY_CAP_S * clock)
-    monkeypatch.setattr(app_module, "SaveQueue", functools.partial(SaveQueue, attempt_s=ATTEMPT_S * clock))
+    monkeypatch.setattr(save_queue_module, "FIRST_RETRY_S", FIRST_RETRY_S * clock)
+    monkeypatch.setattr(save_queue_module, "RETRY_CAP_S", RETRY_CAP_S * clock)
+    monkeypatch.setattr(chat_history_module, "SaveQueue", functools.partial(SaveQueue, attempt_s=ATTEMPT_S * clock))
     return ATTEMPT_S * clock, (RETRY_CAP_S + ATTEMPT_S) * clock + 2.0
 
 
@@ -193,8 +185,8 @@ def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_pa
     assert lock_s > 4 * max(attempt_s, WAIT_NOW_S)
     path = tmp_path / "chats.db"
     store = Store(path)
-    app = ChatApp(lambda: pair, Settings(max_tokens=24, block_size=4), source="the tiny pair", store=store)
-    assert app.saves.attempt_s == attempt_s
+    app = ChatApp(lambda: pair, Settings.of(max_tokens=24, block_size=4), source="the tiny pair", store=store)
+    assert app.chat_history.saves.attempt_s == attempt_s
     seen = {}
 
     async def scenario(app, pilot):
@@ -209,7 +201,7 @@ def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_pa
         await say(app, pilot, "Turn two")  # answered while the file is locked: the chat does not wait
         assert locker.poll() is None, "the lock ended before the check; the machine is too slow for this lock_s"
         assert await until(pilot, lambda: "saving delayed (database busy)" in look(app).status, 3.0)
-        assert users(store, cid) == ["Turn one"] and app.saves.unsaved_turns == 1
+        assert users(store, cid) == ["Turn one"] and app.chat_history.saves.unsaved_turns == 1
         seen["during"] = look(app)
 
         locker.wait(timeout=lock_s + 30)
@@ -231,7 +223,7 @@ def test_a_lock_held_by_another_process_during_turn_2_loses_no_turn(pair, tmp_pa
     (stored,) = [reopened.load(c.id) for c in reopened.list()]
     assert [t.user for t in stored.turns] == ["Turn one", "Turn two", "Turn three"]
     assert [t.token_ids for t in stored.turns] == [t.token_ids for t in app.conversation.turns]
-    assert stored.processed == app._processed  # the cache after the last turn
+    assert stored.processed == app.chat_history.processed  # the cache after the last turn
     reopened.close()
     store.close()
 
@@ -243,7 +235,7 @@ def test_a_database_that_cannot_be_used_mid_chat_turns_history_off_once(pair, tm
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")  # a newer version migrated it while we ran
     db.commit()
     db.close()
-    app = ChatApp(lambda: pair, Settings(max_tokens=24, block_size=4), source="the tiny pair", store=store)
+    app = ChatApp(lambda: pair, Settings.of(max_tokens=24, block_size=4), source="the tiny pair", store=store)
     seen = {}
 
     async def scenario(app, pilot):
@@ -257,5 +249,5 @@ def test_a_database_that_cannot_be_used_mid_chat_turns_history_off_once(pair, tm
     (error,) = view.errors
     assert error.startswith("history off: ") and "newer mlx-glimmer" in error and "\n" not in error
     assert not any(i.startswith("saving delayed") for i in view.info)
-    assert len(app.conversation.turns) == 2 and app.store is None and app.saves is None
+    assert len(app.conversation.turns) == 2 and app.store is None and app.chat_history.saves is None
     assert app.shut_down(30)

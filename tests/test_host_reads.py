@@ -13,7 +13,7 @@ import torch
 from oracle_drafter import OracleDrafter
 
 from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
-from mlx_glimmer.sampling import SamplingParams
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
@@ -98,7 +98,7 @@ def plain_leaning_policy(width: int) -> WidthPolicy:
 
 @pytest.fixture(scope="module")
 def plain(muse_pair):
-    return tokens_of(generate_steps(muse_pair.target, PROMPT, max_tokens=80))
+    return tokens_of(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=80)))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
@@ -106,7 +106,10 @@ def plain(muse_pair):
 def test_a_dflash_round_blocks_on_the_host_once(muse_pair, plain, blocking, params, block_size):
     steps, per = per_step(
         generate_steps(
-            muse_pair.target, PROMPT, drafter=muse_pair.drafter, params=params, block_size=block_size, max_tokens=80
+            muse_pair.target,
+            PROMPT,
+            GenerationSettings(params, max_tokens=80, block_size=block_size),
+            drafter=muse_pair.drafter,
         ),
         blocking,
     )
@@ -119,15 +122,15 @@ def test_a_dflash_round_blocks_on_the_host_once(muse_pair, plain, blocking, para
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_width_one_rounds_read_once_and_are_queued_one_ahead_like_plain_decoding(muse_pair, plain, params):
     plain_seam, auto_seam = Seam(muse_pair.target), Seam(muse_pair.target)
-    ref, plain_per = per_step(generate_steps(plain_seam, PROMPT, params=params, max_tokens=40), plain_seam.events)
+    ref, plain_per = per_step(
+        generate_steps(plain_seam, PROMPT, GenerationSettings(params, max_tokens=40)), plain_seam.events
+    )
     got, auto_per = per_step(
         generate_steps(
             auto_seam,
             PROMPT,
+            GenerationSettings(params, max_tokens=40, block_size=16),
             drafter=muse_pair.drafter,
-            params=params,
-            block_size=16,
-            max_tokens=40,
             policy=AlwaysPlain(),
         ),
         auto_seam.events,
@@ -146,10 +149,8 @@ def test_auto_mixing_plain_rounds_and_probes_reads_once_per_round(muse_pair, pla
         generate_steps(
             muse_pair.target,
             PROMPT,
+            GenerationSettings(params, max_tokens=80, block_size=8),
             drafter=muse_pair.drafter,
-            params=params,
-            block_size=8,
-            max_tokens=80,
             policy=plain_leaning_policy(8),
         ),
         blocking,
@@ -162,14 +163,15 @@ def test_auto_mixing_plain_rounds_and_probes_reads_once_per_round(muse_pair, pla
 
 
 def test_plain_decoding_reads_once_per_token(muse_pair, plain, blocking):
-    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, max_tokens=80), blocking)
+    steps, per = per_step(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=80)), blocking)
     assert all(p == ["tolist"] for p in per[1:]) and tokens_of(steps) == plain
 
 
 def test_an_oracle_round_reads_once_and_commits_whole_blocks(muse_pair, plain, blocking):
     oracle = OracleDrafter(len(PROMPT), plain, set(), muse_pair.target.vocab_size)
     steps, per = per_step(
-        generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=16, max_tokens=80), blocking
+        generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=80, block_size=16), drafter=oracle),
+        blocking,
     )
     assert all(len(p) == 1 for p in per[1:]) and tokens_of(steps) == plain
     assert [len(s.tokens) for s in steps[1:]] == [16] * 4 + [15]
@@ -189,7 +191,9 @@ def torch_muse(checkpoints):
 def test_torch_rounds_read_once_through_the_seam(torch_muse, muse_pair, plain, params):
     seam = Seam(torch_muse.target)
     steps, per = per_step(
-        generate_steps(seam, PROMPT, drafter=torch_muse.drafter, params=params, block_size=4, max_tokens=40),
+        generate_steps(
+            seam, PROMPT, GenerationSettings(params, max_tokens=40, block_size=4), drafter=torch_muse.drafter
+        ),
         seam.events,
     )
     assert all(p.count("read") == 1 and "sync" not in p for p in per[1:]), per
@@ -198,10 +202,8 @@ def test_torch_rounds_read_once_through_the_seam(torch_muse, muse_pair, plain, p
         generate_steps(
             mixed,
             PROMPT,
+            GenerationSettings(params, max_tokens=40, block_size=8),
             drafter=torch_muse.drafter,
-            params=params,
-            block_size=8,
-            max_tokens=40,
             policy=plain_leaning_policy(8),
         ),
         mixed.events,
@@ -218,7 +220,12 @@ def test_closing_after_a_queued_round_leaves_the_cache_as_processed(muse_pair):
     for drafter, policy in ((muse_pair.drafter, None), (muse_pair.drafter, AlwaysPlain())):
         state = DecodeState()
         stream = generate_steps(
-            muse_pair.target, PROMPT, drafter=drafter, block_size=4, max_tokens=60, state=state, policy=policy
+            muse_pair.target,
+            PROMPT,
+            GenerationSettings(max_tokens=60, block_size=4),
+            drafter=drafter,
+            state=state,
+            policy=policy,
         )
         for _ in range(4):
             next(stream)

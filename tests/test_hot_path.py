@@ -8,10 +8,11 @@ import pytest
 from test_host_reads import blocking, per_step  # noqa: F401 (a fixture)
 
 from mlx_glimmer.block_policy import calibration_key, chip_name, library_version
-from mlx_glimmer.drafters.base import ContextCache
+from mlx_glimmer.drafters.context import ContextCache
 from mlx_glimmer.drafters.draft_model import DraftModelDrafter
 from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
-from mlx_glimmer.sampling import SamplingParams, probabilities
+from mlx_glimmer.sampling import probabilities
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
@@ -117,10 +118,11 @@ def test_the_preallocated_context_holds_what_concatenation_held(keep):
 
 
 def test_the_classic_drafter_drafts_without_reading_and_its_rounds_read_once(muse_pair, blocking):  # noqa: F811
-    plain = [t for s in generate_steps(muse_pair.target, PROMPT, max_tokens=50) for t in s.tokens]
+    plain = [t for s in generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=50)) for t in s.tokens]
     drafter = DraftModelDrafter(muse_pair.target.model, draft_k=4)  # the target drafts for itself: all accepted
     steps, per = per_step(
-        generate_steps(muse_pair.target, PROMPT, drafter=drafter, block_size=5, max_tokens=50), blocking
+        generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=50, block_size=5), drafter=drafter),
+        blocking,
     )
     assert [t for s in steps for t in s.tokens] == plain
     assert all(len(p) == 1 for p in per[1:]), per

@@ -8,6 +8,7 @@ import torch
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: transformers' generate on one thread
@@ -25,7 +26,7 @@ def tokens_of(steps):
 
 @pytest.fixture(scope="module")
 def plain_greedy(muse_pair):
-    return tokens_of(generate_steps(muse_pair.target, PROMPT, max_tokens=N_TOKENS))
+    return tokens_of(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)))
 
 
 def test_plain_greedy_equals_transformers_greedy(checkpoints, plain_greedy):
@@ -42,7 +43,12 @@ def test_plain_greedy_equals_transformers_greedy(checkpoints, plain_greedy):
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_random_drafter_greedy_is_lossless(muse_pair, plain_greedy, block_size):
     steps = list(
-        generate_steps(muse_pair.target, PROMPT, drafter=muse_pair.drafter, block_size=block_size, max_tokens=N_TOKENS)
+        generate_steps(
+            muse_pair.target,
+            PROMPT,
+            GenerationSettings(max_tokens=N_TOKENS, block_size=block_size),
+            drafter=muse_pair.drafter,
+        )
     )
     assert tokens_of(steps) == plain_greedy
     assert all(len(s.tokens) <= block_size for s in steps[1:])
@@ -52,7 +58,11 @@ def test_random_drafter_greedy_is_lossless(muse_pair, plain_greedy, block_size):
 def test_high_agreement_drafter_greedy_is_lossless(muse_pair, plain_greedy, block_size):
     wrong = {i for i in range(N_TOKENS) if i % 23 == 5 or i % 37 == 0}
     oracle = OracleDrafter(len(PROMPT), plain_greedy, wrong, muse_pair.target.vocab_size)
-    steps = list(generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=block_size, max_tokens=N_TOKENS))
+    steps = list(
+        generate_steps(
+            muse_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, block_size=block_size), drafter=oracle
+        )
+    )
     assert tokens_of(steps) == plain_greedy
     lengths = [len(s.tokens) for s in steps[1:]]
     # Rounds end only at an injected error (or at max_tokens), so acceptance is high.
@@ -62,7 +72,9 @@ def test_high_agreement_drafter_greedy_is_lossless(muse_pair, plain_greedy, bloc
 
 def test_accepting_everything_commits_full_blocks(muse_pair, plain_greedy):
     oracle = OracleDrafter(len(PROMPT), plain_greedy, set(), muse_pair.target.vocab_size)
-    steps = list(generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=16, max_tokens=N_TOKENS))
+    steps = list(
+        generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, block_size=16), drafter=oracle)
+    )
     assert tokens_of(steps) == plain_greedy
     assert [len(s.tokens) for s in steps[1:]] == [16] * 13 + [11]  # 1 + 13 * 16 + 11 = 220
     assert 1 + sum(len(s.tokens) for s in steps[1:]) == N_TOKENS
@@ -70,11 +82,13 @@ def test_accepting_everything_commits_full_blocks(muse_pair, plain_greedy):
 
 def test_llama_target_with_full_attention_is_lossless(llama_pair):
     target = llama_pair.target
-    plain = tokens_of(generate_steps(target, PROMPT, max_tokens=120))
-    spec = tokens_of(generate_steps(target, PROMPT, drafter=llama_pair.drafter, block_size=16, max_tokens=120))
+    plain = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=120)))
+    spec = tokens_of(
+        generate_steps(target, PROMPT, GenerationSettings(max_tokens=120, block_size=16), drafter=llama_pair.drafter)
+    )
     wrong = {i for i in range(120) if i % 11 == 3}
     oracle = OracleDrafter(len(PROMPT), plain, wrong, target.vocab_size)
-    high = tokens_of(generate_steps(target, PROMPT, drafter=oracle, block_size=8, max_tokens=120))
+    high = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=120, block_size=8), drafter=oracle))
     assert spec == plain and high == plain
 
 
@@ -86,7 +100,11 @@ def test_stop_token_inside_a_block_stops_exactly_there(muse_pair, plain_greedy):
     for drafter, bs in [(None, 1), (oracle, 16), (muse_pair.drafter, 4)]:
         got = tokens_of(
             generate_steps(
-                muse_pair.target, PROMPT, drafter=drafter, block_size=bs, max_tokens=N_TOKENS, stop_ids=[stop]
+                muse_pair.target,
+                PROMPT,
+                GenerationSettings(max_tokens=N_TOKENS, block_size=bs),
+                drafter=drafter,
+                stop_ids=[stop],
             )
         )
         assert got == plain_greedy[: first + 1]
@@ -95,7 +113,11 @@ def test_stop_token_inside_a_block_stops_exactly_there(muse_pair, plain_greedy):
 @pytest.mark.parametrize("max_tokens", [1, 2, 17, 33])
 def test_max_tokens_inside_a_block_stops_exactly_there(muse_pair, plain_greedy, max_tokens):
     oracle = OracleDrafter(len(PROMPT), plain_greedy, set(), muse_pair.target.vocab_size)
-    got = tokens_of(generate_steps(muse_pair.target, PROMPT, drafter=oracle, block_size=16, max_tokens=max_tokens))
+    got = tokens_of(
+        generate_steps(
+            muse_pair.target, PROMPT, GenerationSettings(max_tokens=max_tokens, block_size=16), drafter=oracle
+        )
+    )
     assert got == plain_greedy[:max_tokens]
 
 
@@ -126,7 +148,11 @@ def test_chunked_prefill_gives_the_same_tokens(muse_pair, plain_greedy):
     for step in (1, 3, 7):
         got = tokens_of(
             generate_steps(
-                muse_pair.target, PROMPT, drafter=muse_pair.drafter, block_size=4, max_tokens=60, prefill_step=step
+                muse_pair.target,
+                PROMPT,
+                GenerationSettings(max_tokens=60, block_size=4),
+                drafter=muse_pair.drafter,
+                prefill_step=step,
             )
         )
         assert got == plain_greedy[:60]

@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_glimmer
-from mlx_glimmer.memory import GIB, DeviceMemory, model_bytes
+from mlx_glimmer.memory import GIB, NO_MEMORY, DeviceMemory, model_bytes
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
@@ -41,14 +42,43 @@ def metal(muse_pair, monkeypatch):
     return memory, fake
 
 
-def test_off_metal_every_call_is_a_no_op(muse_pair):
-    assert not mx.metal.is_available()  # this machine
-    memory = muse_pair.target.memory
-    assert memory.enabled is False
-    with memory.resident(muse_pair.target.model):
-        memory.clear()
-        memory.tick(255, 300)
-    assert memory.calls == []
+@pytest.fixture
+def stubbed_metal(monkeypatch):
+    """MLX's own Metal queries stubbed, by their real names: `monkeypatch.setattr` refuses a name MLX does not
+    have, and a misspelt call in memory.py would reach MLX itself and fail, so the Metal-only branches run
+    here as they do on a Mac."""
+    fake = FakeMetal(bound=24 * GIB)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    for name in ("device_info", "set_wired_limit", "set_cache_limit", "clear_cache"):
+        monkeypatch.setattr(mx, name, getattr(fake, name))
+    return fake
+
+
+def test_without_metal_every_call_is_a_no_op(muse_pair, monkeypatch):
+    assert muse_pair.target.memory.enabled == bool(mx.metal.is_available())  # on by itself where Metal is
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    for memory in (DeviceMemory(), NO_MEMORY):
+        assert memory.enabled is False
+        with memory.resident(muse_pair.target.model):
+            memory.clear()
+            memory.tick(255, 300)
+        assert memory.calls == []
+
+
+def test_with_metal_the_seam_calls_mlx_itself(checkpoints, stubbed_metal):
+    """A pair loaded where Metal is available gets a live seam on MLX's own module: a generation wires the
+    weights, clears the cache and puts both limits back."""
+    pair = mlx_glimmer.load(target=checkpoints["muse"])
+    memory = pair.target.memory
+    assert memory.enabled is True and memory.ops is mx
+    assert memory.limits(GIB) == (2 * GIB, 2 * GIB // 4)
+    assert memory.limits(100 * GIB) == (24 * GIB, 24 * GIB // 4)  # the device's recommended working set
+    prompt = [256] + list(b"x" * 600)  # 2 prefill chunks: one clear between them
+    mlx_glimmer.generate(pair, prompt, max_tokens=8, speculative=False)
+    wired = model_bytes(pair.target.model) + GIB
+    assert memory.calls[:2] == [("wired", wired), ("cache_limit", wired // 4)]
+    assert memory.calls[-1] == ("restore", 0, 10 * GIB) and ("clear",) in memory.calls
+    assert (stubbed_metal.wired, stubbed_metal.cache) == (0, 10 * GIB) and stubbed_metal.clears >= 1
 
 
 def test_limits_are_the_weights_plus_headroom_bounded_by_the_working_set():
@@ -76,7 +106,9 @@ def test_the_loop_clears_after_prefill_chunks_and_every_256_tokens(muse_pair, me
     memory, fake = metal
     prompt = [256] + list(b"x" * 1100)  # 3 prefill chunks of 512
     drafter = muse_pair.drafter if speculative else None
-    steps = list(generate_steps(muse_pair.target, prompt, drafter=drafter, block_size=16, max_tokens=600))
+    steps = list(
+        generate_steps(muse_pair.target, prompt, GenerationSettings(max_tokens=600, block_size=16), drafter=drafter)
+    )
     assert sum(len(s.tokens) for s in steps) == 600
     # 2 chunks before the last, 1 after the first token, then at 256 and 512 tokens.
     assert memory.calls == [("clear",)] * (2 + 1 + 2) and fake.clears == 5

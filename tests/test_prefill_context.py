@@ -4,11 +4,10 @@ import dataclasses
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
-from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 LONG = 2000
@@ -69,34 +68,8 @@ def test_the_prompt_context_is_evaluated_with_the_prefill(muse_pair):
     """After the prefill step the drafter holds no backlog: its context arrays were computed with the prompt."""
     prompt = long_prompt(muse_pair.target.vocab_size)
     drafter = muse_pair.drafter
-    steps = generate_steps(muse_pair.target, prompt, drafter=drafter, block_size=4, max_tokens=20)
+    steps = generate_steps(muse_pair.target, prompt, GenerationSettings(max_tokens=20, block_size=4), drafter=drafter)
     first = next(steps)
     assert first.prefill_tokens == LONG and drafter.backlog == 0
     assert drafter.position == LONG
     steps.close()
-
-
-def test_a_round_that_projects_a_long_backlog_seeds_no_estimate():
-    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
-    policy = WidthPolicy(cost, AcceptanceModel(3))
-    policy.observe_round(4, 3, 100, seconds=50.0, timed=False)
-    assert policy.draft_seconds is None and cost.counts[0] == [0, 0, 0, 0]
-    assert policy.acceptance.offered[0] == 1.0  # its acceptance still counts
-    policy.observe_round(4, 3, 100, seconds=1.5)
-    assert policy.draft_seconds == 1.5 - 1.3
-
-
-def test_one_slow_first_round_does_not_keep_drafting_off():
-    """Load only adds time: rounds cheaper than the draft estimate pull it down fast."""
-    cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
-    policy = WidthPolicy(cost, AcceptanceModel(3))
-    policy.observe_round(4, 3, 100, seconds=1.3 + 20.0)  # a cold first round: 20 s of "drafting"
-    assert policy.draft_seconds == pytest.approx(20.0)
-    for _ in range(6):
-        policy.observe_round(4, 3, 100, seconds=1.3 + 0.2)
-    assert policy.draft_seconds < 0.6
-    assert policy.choose(100) > 1
-    for _ in range(50):  # and a spike later moves it only a little
-        policy.observe_round(4, 3, 100, seconds=1.5)
-    policy.observe_round(4, 3, 100, seconds=1.3 + 5.0)
-    assert policy.draft_seconds < 0.2 + 0.1 * 5.0 + 1e-9

@@ -22,8 +22,8 @@ from mlx_glimmer.server.worker import (
     GenerationRequest,
     GenerationWorker,
     Job,
+    Run,
     StopMatcher,
-    answer,
 )
 
 A = [256] + list(b"The quick brown fox")
@@ -49,17 +49,19 @@ def run(worker, **fields):
     return collect(events, timeout=120)
 
 
+def answer_here(pair, cache: PromptCache, **fields):
+    """One job on this thread, as the worker serves a lone request: its conversation taken from `cache`, decoded
+    alone (`Run.alone`) and put back."""
+    text = []
+    run = Run.start(Job(request(**fields), lambda e: text.append(e.text)), cache, pair.tokenizer)
+    assert run.alone(pair)
+    cache.put(run.conv)
+    return "".join(text), run.finished()
+
+
 def cold(pair, prompt, **kwargs):
     """A cold start, with a drafter of its own (the pair's drafter stays the cache's untouched prototype)."""
     return mlx_glimmer.generate(replace(pair, drafter=copy.copy(pair.drafter)), prompt, **kwargs)
-
-
-def answer_here(pair, cache, **fields):
-    """One job on this thread (the worker's code, without its thread)."""
-    text = []
-    done = answer(pair, cache, Job(request(**fields), lambda e: text.append(e.text)))
-    assert isinstance(done, Finished)
-    return "".join(text), done
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)])

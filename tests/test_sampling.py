@@ -10,7 +10,9 @@ import torch
 from scipy.stats import chisquare
 
 import mlx_glimmer
-from mlx_glimmer.sampling import SamplingParams, accept_sampled, probabilities
+from mlx_glimmer.drafters.base import Drafter
+from mlx_glimmer.sampling import accept_sampled, probabilities
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 SETTINGS = [
@@ -90,7 +92,7 @@ def test_chi_square_detects_sampling_from_the_drafter():
     assert chi_square_p(wrong, p) < 1e-6
 
 
-class NoisyTargetDrafter:
+class NoisyTargetDrafter(Drafter):
     """Drafts autoregressively from q = 0.6 * p + 0.4 * uniform, p the target's own filtered distribution.
 
     Close enough to the target that most drafts are kept, different enough that
@@ -156,7 +158,9 @@ def test_speculative_samples_match_target_distribution(small_vocab_pair, params)
     for run, drafter in enumerate(drafters):
         for seed in range(run * 400, run * 400 + 400):  # distinct seeds: every draw independent
             steps = list(
-                generate_steps(target, PROMPT, drafter=drafter, params=params, block_size=4, max_tokens=3, seed=seed)
+                generate_steps(
+                    target, PROMPT, GenerationSettings(params, max_tokens=3, block_size=4, seed=seed), drafter=drafter
+                )
             )
             toks = [t for s in steps for t in s.tokens]
             kept += sum(len(s.tokens) - 1 for s in steps[1:])
@@ -182,11 +186,8 @@ def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
             generate_steps(
                 target,
                 PROMPT,
+                GenerationSettings(params, max_tokens=3, block_size=4, seed=10_000 + seed),
                 drafter=NoisyTargetDrafter(target),
-                params=params,
-                block_size=4,
-                max_tokens=3,
-                seed=10_000 + seed,
                 policy=policy,
             )
         )

@@ -25,13 +25,13 @@ from serving import ServeProcess, collect
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
+from mlx_glimmer.divergence import mlx_dtype
 from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.server.batch import BatchPolicy, batch_support, explain_batched_divergence
 from mlx_glimmer.server.metrics import metrics_text
 from mlx_glimmer.server.prompt_cache import Conversation
 from mlx_glimmer.server.worker import Delta, Finished, GenerationRequest, GenerationWorker, Job
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError
-from mlx_glimmer.torch_backend.parity import mlx_dtype
 
 PROMPTS = [[256] + list(f"Tell me about {topic}.".encode()) for topic in ("owls", "salt", "maps", "glass")]
 

@@ -2,6 +2,7 @@
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"The quick brown fox")
@@ -12,17 +13,23 @@ def tokens(steps):
 
 
 def fresh(pair, prompt, drafter=None, n=40):
-    return tokens(generate_steps(pair.target, prompt, drafter=drafter, block_size=4, max_tokens=n))
+    return tokens(generate_steps(pair.target, prompt, GenerationSettings(max_tokens=n, block_size=4), drafter=drafter))
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(muse_pair):
     state = DecodeState()
     d = muse_pair.drafter
-    first = list(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=4, max_tokens=40, state=state))
+    first = list(
+        generate_steps(
+            muse_pair.target, PROMPT, GenerationSettings(max_tokens=40, block_size=4), drafter=d, state=state
+        )
+    )
     assert first[0].prefill_tokens == len(PROMPT)
     answer = tokens(first)
     turn2 = PROMPT + answer + list(b" and then?")  # > 8x the window of 8
-    second = list(generate_steps(muse_pair.target, turn2, drafter=d, block_size=4, max_tokens=40, state=state))
+    second = list(
+        generate_steps(muse_pair.target, turn2, GenerationSettings(max_tokens=40, block_size=4), drafter=d, state=state)
+    )
     # Everything but the last answer token (never run through the target) was cached.
     assert second[0].prefill_tokens == len(turn2) - (len(PROMPT) + len(answer) - 1)
     assert state.reused_tokens == len(PROMPT) + len(answer) - 1
@@ -32,10 +39,16 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(muse_pair)
 def test_a_turn_that_rewrites_the_tail_rolls_back_and_stays_lossless(muse_pair):
     state = DecodeState()
     d = muse_pair.drafter
-    answer = tokens(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=4, max_tokens=30, state=state))
+    answer = tokens(
+        generate_steps(
+            muse_pair.target, PROMPT, GenerationSettings(max_tokens=30, block_size=4), drafter=d, state=state
+        )
+    )
     # The chat template re-renders the last 5 tokens of the answer differently.
     turn2 = PROMPT + answer[:-5] + list(b"<edit> more")
-    got = list(generate_steps(muse_pair.target, turn2, drafter=d, block_size=4, max_tokens=30, state=state))
+    got = list(
+        generate_steps(muse_pair.target, turn2, GenerationSettings(max_tokens=30, block_size=4), drafter=d, state=state)
+    )
     assert state.reused_tokens == len(PROMPT) + len(answer) - 5
     assert tokens(got) == fresh(muse_pair, turn2, n=30)
 
@@ -44,9 +57,15 @@ def test_a_rollback_deeper_than_the_cache_holds_starts_over(muse_pair):
     state = DecodeState()
     d = muse_pair.drafter
     long_prompt = PROMPT * 12  # 240 tokens: far more than window + slack
-    list(generate_steps(muse_pair.target, long_prompt, drafter=d, block_size=4, max_tokens=5, state=state))
+    list(
+        generate_steps(
+            muse_pair.target, long_prompt, GenerationSettings(max_tokens=5, block_size=4), drafter=d, state=state
+        )
+    )
     turn2 = PROMPT + list(b" something else")
-    got = list(generate_steps(muse_pair.target, turn2, drafter=d, block_size=4, max_tokens=30, state=state))
+    got = list(
+        generate_steps(muse_pair.target, turn2, GenerationSettings(max_tokens=30, block_size=4), drafter=d, state=state)
+    )
     assert state.reused_tokens == 0 and got[0].prefill_tokens == len(turn2)
     assert tokens(got) == fresh(muse_pair, turn2, n=30)
 
@@ -54,12 +73,18 @@ def test_a_rollback_deeper_than_the_cache_holds_starts_over(muse_pair):
 def test_switching_speculation_off_and_on_between_turns(muse_pair):
     state = DecodeState()
     d = muse_pair.drafter
-    a1 = tokens(generate_steps(muse_pair.target, PROMPT, drafter=d, block_size=4, max_tokens=20, state=state))
+    a1 = tokens(
+        generate_steps(
+            muse_pair.target, PROMPT, GenerationSettings(max_tokens=20, block_size=4), drafter=d, state=state
+        )
+    )
     t2 = PROMPT + a1 + list(b"ok")
-    a2 = tokens(generate_steps(muse_pair.target, t2, drafter=None, max_tokens=20, state=state))
+    a2 = tokens(generate_steps(muse_pair.target, t2, GenerationSettings(max_tokens=20), drafter=None, state=state))
     assert a2 == fresh(muse_pair, t2, n=20)
     t3 = t2 + a2 + list(b"go on")
-    a3 = tokens(generate_steps(muse_pair.target, t3, drafter=d, block_size=4, max_tokens=20, state=state))
+    a3 = tokens(
+        generate_steps(muse_pair.target, t3, GenerationSettings(max_tokens=20, block_size=4), drafter=d, state=state)
+    )
     assert a3 == fresh(muse_pair, t3, n=20)
 
 

@@ -28,6 +28,7 @@ from mlx_glimmer.tui.store import (
     open_store,
     resolve,
     settings_from_json,
+    stats_from_json,
     title_for,
 )
 
@@ -46,7 +47,7 @@ def a_turn(i: int = 0, cancelled: bool = False) -> Turn:
 
 
 def test_stored_settings_keep_what_is_valid_and_fall_back_on_what_is_not():
-    assert settings_from_json('{"temperature": 0.5, "from_a_newer_version": 1}') == Settings(temperature=0.5)
+    assert settings_from_json('{"temperature": 0.5, "from_a_newer_version": 1}') == Settings.of(temperature=0.5)
     assert settings_from_json('{"temperature": -1, "system": "x"}') == Settings()  # a value no Settings takes
     assert settings_from_json("[1, 2]") == settings_from_json("not json") == Settings()
 
@@ -62,7 +63,7 @@ def store(tmp_path):
 
 
 def test_a_turn_comes_back_with_its_token_ids_settings_stats_and_cache_ids(store):
-    settings = Settings(temperature=0.7, block_size=2, system="Be brief.", reasoning="low")
+    settings = Settings.of(temperature=0.7, block_size=2, system="Be brief.", reasoning="low")
     cid = store.create("first", settings, bundle="/b/target", model="tiny")
     store.add_turn(cid, a_turn(0), processed=[1, 2, 3, 2**32 - 1], settings=settings, bundle="/b/target", model="tiny")
     store.add_turn(cid, a_turn(1, cancelled=True), processed=[1, 2, 3, 4, 5], settings=settings)
@@ -96,8 +97,8 @@ def test_the_list_is_newest_first_and_rename_delete_act_on_one_conversation(stor
 
 def test_settings_saved_alone_are_restored(store):
     cid = store.create("c", Settings())
-    store.save_settings(cid, Settings(temperature=0.3, speculative=False))
-    assert store.load(cid).settings == Settings(temperature=0.3, speculative=False)
+    store.save_settings(cid, Settings.of(temperature=0.3, speculative=False))
+    assert store.load(cid).settings == Settings.of(temperature=0.3, speculative=False)
 
 
 def test_titles_and_the_list_table():
@@ -129,6 +130,20 @@ def test_a_file_that_is_not_a_database_is_one_line_and_left_alone(tmp_path):
     assert store is None
     assert warning.startswith("history off: ") and "not a readable database" in warning and "\n" not in warning
     assert path.read_bytes() == b"this is not sqlite" * 100  # the user's file is not touched
+
+
+def test_a_turn_whose_stats_cannot_be_read_comes_back_without_them(store):
+    cid = store.create("c", Settings())
+    for i in range(4):
+        store.add_turn(cid, a_turn(i), processed=[i], settings=Settings())
+    unreadable = ['{"decode_tokens_per_second": 61.', "[1, 2]", '{"generated_tokens": "many"}']
+    for position, text in enumerate(unreadable):
+        store._db.execute("UPDATE turns SET stats = ? WHERE position = ?", (text, position))
+    got = store.load(cid)  # the whole conversation still opens
+    assert [t.stats for t in got.turns] == [None, None, None, a_turn(3).stats]
+    assert [t.text for t in got.turns] == [f"answer {i}" for i in range(4)] and got.processed == [3]
+    assert resolve(store, str(cid)) == cid  # `chat --resume N` finds it
+    assert stats_from_json('{"generated_tokens": 3, "from_a_newer_version": 1}') == GenerationStats(generated_tokens=3)
 
 
 def test_a_database_from_a_newer_version_is_refused(tmp_path):

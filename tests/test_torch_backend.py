@@ -13,8 +13,8 @@ from scipy.stats import chisquare
 
 import mlx_glimmer
 from mlx_glimmer.cli import JSON_FIELDS, main
-from mlx_glimmer.sampling import SamplingParams
 from mlx_glimmer.sampling import probabilities as mlx_probabilities
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps  # the one loop, on either backend
 from mlx_glimmer.speculative import generate_steps as mlx_steps
 from mlx_glimmer.torch_backend import load_torch
@@ -64,11 +64,15 @@ def lengths_of(steps):
 @pytest.mark.parametrize("name", ["muse", "llama"])
 def test_mlx_and_torch_decode_the_same_tokens_plain_and_speculative(name, muse_pair, llama_pair, torch_pairs):
     mlx_pair, torch_pair = (muse_pair if name == "muse" else llama_pair), torch_pairs[name]
-    plain_mlx = tokens_of(mlx_steps(mlx_pair.target, PROMPT, max_tokens=48))
-    plain_torch = tokens_of(generate_steps(torch_pair.target, PROMPT, max_tokens=48))
-    spec_mlx = list(mlx_steps(mlx_pair.target, PROMPT, drafter=mlx_pair.drafter, block_size=4, max_tokens=48))
+    plain_mlx = tokens_of(mlx_steps(mlx_pair.target, PROMPT, GenerationSettings(max_tokens=48)))
+    plain_torch = tokens_of(generate_steps(torch_pair.target, PROMPT, GenerationSettings(max_tokens=48)))
+    spec_mlx = list(
+        mlx_steps(mlx_pair.target, PROMPT, GenerationSettings(max_tokens=48, block_size=4), drafter=mlx_pair.drafter)
+    )
     spec_torch = list(
-        generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=48)
+        generate_steps(
+            torch_pair.target, PROMPT, GenerationSettings(max_tokens=48, block_size=4), drafter=torch_pair.drafter
+        )
     )
     assert plain_torch == plain_mlx
     assert tokens_of(spec_torch) == tokens_of(spec_mlx) == plain_mlx
@@ -85,24 +89,40 @@ class TorchOracle(OracleDrafter):
 def test_torch_speculative_is_lossless_far_past_the_sliding_window(muse_pair, torch_pairs):
     target, drafter = torch_pairs["muse"].target, torch_pairs["muse"].drafter
     assert target.config.sliding_window == 8
-    plain = tokens_of(generate_steps(target, PROMPT, max_tokens=N_TOKENS))
-    assert plain == tokens_of(mlx_steps(muse_pair.target, PROMPT, max_tokens=N_TOKENS))
-    spec = tokens_of(generate_steps(target, PROMPT, drafter=drafter, block_size=16, max_tokens=N_TOKENS))
+    plain = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)))
+    assert plain == tokens_of(mlx_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)))
+    spec = tokens_of(
+        generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, block_size=16), drafter=drafter)
+    )
     # High agreement: long accepted runs, rejections of every size, all past the window.
     wrong = {i for i in range(N_TOKENS) if i % 23 == 5 or i % 37 == 0}
     steps = list(
         generate_steps(
-            target, PROMPT, drafter=TorchOracle(len(PROMPT), plain, wrong, 272), block_size=8, max_tokens=N_TOKENS
+            target,
+            PROMPT,
+            GenerationSettings(max_tokens=N_TOKENS, block_size=8),
+            drafter=TorchOracle(len(PROMPT), plain, wrong, 272),
         )
     )
     assert spec == plain and tokens_of(steps) == plain
     assert max(lengths_of(steps)) == 8 and np.mean(lengths_of(steps)) > 5
 
 
-def test_every_drafter_satisfies_the_drafter_protocol(muse_pair, torch_pairs):
+def test_both_targets_have_every_member_the_loop_and_the_drafters_use(muse_pair, torch_pairs):
+    from mlx_glimmer.speculative import SamplingOps, TargetModel
+
+    def members(protocol) -> set[str]:
+        return {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+
+    for target in (muse_pair.target, torch_pairs["muse"].target):
+        assert [n for n in members(TargetModel) if not hasattr(target, n)] == [], type(target).__name__
+        assert [n for n in members(SamplingOps) if not hasattr(target.sampling, n)] == [], type(target).__name__
+
+
+def test_every_drafter_inherits_the_drafter_contract(muse_pair, torch_pairs):
+    from mlx_glimmer.drafters.base import Drafter
     from mlx_glimmer.drafters.draft_model import DraftModelDrafter
     from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
-    from mlx_glimmer.speculative import Drafter
 
     drafters = [
         muse_pair.drafter,
@@ -144,7 +164,7 @@ def test_transformers_own_dflash_assisted_generation_agrees_greedy(torch_pairs):
         min_new_tokens=48,
         eos_token_id=None,
     )
-    ours = tokens_of(generate_steps(target, PROMPT, drafter=drafter, block_size=16, max_tokens=48))
+    ours = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=48, block_size=16), drafter=drafter))
     assert out[0, len(PROMPT) :].tolist() == ours
 
 
@@ -161,9 +181,13 @@ def test_distilled_drafter_proposes_from_its_draft_vocab_like_mlx(tmp_path, chec
     mlx_pair = mlx_glimmer.load(target=checkpoints["muse"], drafter=drafter)
     torch_pair = load_torch(target=checkpoints["muse"], drafter=drafter, device="cpu")
     assert torch_pair.drafter.draft_vocab.tolist() == vocab.tolist()
-    spec_mlx = list(mlx_steps(mlx_pair.target, PROMPT, drafter=mlx_pair.drafter, block_size=4, max_tokens=40))
+    spec_mlx = list(
+        mlx_steps(mlx_pair.target, PROMPT, GenerationSettings(max_tokens=40, block_size=4), drafter=mlx_pair.drafter)
+    )
     spec_torch = list(
-        generate_steps(torch_pair.target, PROMPT, drafter=torch_pair.drafter, block_size=4, max_tokens=40)
+        generate_steps(
+            torch_pair.target, PROMPT, GenerationSettings(max_tokens=40, block_size=4), drafter=torch_pair.drafter
+        )
     )
     assert all(t in set(vocab.tolist()) for s in spec_torch[1:] for t in s.tokens[:-1])  # accepted drafts
     assert tokens_of(spec_torch) == tokens_of(spec_mlx)

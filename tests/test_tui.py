@@ -131,7 +131,11 @@ def chat(pair, scenario, *, load=None, **settings) -> View:
         "seed": 0,
         **settings,
     }  # seed given, as with --seed 0: answers repeat
-    app = ChatApp(load or (lambda: pair), Settings(**settings), source="the tiny pair")
+    return run_scenario(ChatApp(load or (lambda: pair), Settings.of(**settings), source="the tiny pair"), scenario)
+
+
+def run_scenario(app: ChatApp, scenario) -> View:
+    """Start `app` at the test size, wait for it to settle, play `scenario(app, pilot)`, and look at it."""
     view = []
 
     async def run():
@@ -295,7 +299,8 @@ def test_settings_commands_change_the_next_turn(pair, tmp_path):
 
     view = chat(pair, scenario)
     s = view.app.settings
-    assert (s.temperature, s.block_size, s.system, s.speculative) == (0.8, 2, "Be brief.", False)
+    g = s.generation
+    assert (g.sampling.temperature, g.block_size, s.system, g.speculative) == (0.8, 2, "Be brief.", False)
     first, second = view.app.conversation.turns
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     ref = mlx_glimmer.generate(pair, msgs, **settings_kwargs(temperature=0.8, block_size=2))
@@ -387,7 +392,7 @@ def test_bad_commands_give_an_inline_error_and_change_nothing(pair):
     for (line, needle), error in zip(BAD_COMMANDS, errors):
         assert needle in error, (line, error)
     assert len(view.errors) == len(BAD_COMMANDS)
-    assert view.app.settings == Settings(max_tokens=24, block_size=4, seed=0)
+    assert view.app.settings == Settings.of(max_tokens=24, block_size=4, seed=0)
 
 
 def test_a_double_slash_sends_a_literal_slash(pair):
@@ -495,7 +500,7 @@ def test_a_load_error_is_a_message_and_the_app_stays_up():
     assert "Could not load the tiny pair: /nowhere: no such bundle or directory" in view.errors[0]
     assert "mlx-glimmer chat BUNDLE" in view.errors[0]
     assert "No model loaded" in view.errors[1]
-    assert view.app.settings.temperature == 0.5
+    assert view.app.settings.generation.sampling.temperature == 0.5
     assert "no model loaded" in view.status
 
 
@@ -615,7 +620,7 @@ def test_chat_flags_become_the_app_settings(monkeypatch, checkpoints):
     ]
     assert main(args) == 0
     (app,) = started
-    assert app.settings == Settings(
+    assert app.settings == Settings.of(
         max_tokens=99,
         temperature=0.7,
         top_p=0.9,

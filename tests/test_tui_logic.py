@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from mlx_glimmer import GenerationStats, GlimmerError
+from mlx_glimmer import GenerationSettings, GenerationStats, GlimmerError
+from mlx_glimmer.channels import split_channels
 from mlx_glimmer.chat_template import supports_reasoning
-from mlx_glimmer.tui.channels import split_channels
 from mlx_glimmer.tui.commands import COMMANDS, Command, CommandError, help_text, is_command, parse_command, prompt_text
 from mlx_glimmer.tui.history import InputHistory
 from mlx_glimmer.tui.session import Conversation, Settings, Turn
@@ -72,7 +72,7 @@ def test_the_start_of_a_header_is_held_back_while_streaming():
         ("/temp 0.7", Command("temp", 0.7)),
         ("/TEMP 0", Command("temp", 0.0)),
         ("/block 8", Command("block", 8)),
-        ("/block auto", Command("block", None)),
+        ("/block auto", Command("block", "auto")),
         ("/spec off", Command("spec", False)),
         ("/spec ON", Command("spec", True)),
         ("/reasoning xhigh", Command("reasoning", "xhigh")),
@@ -143,7 +143,7 @@ def test_the_conversation_renders_system_turns_and_the_new_message():
 
 
 def test_reasoning_strength_is_passed_only_when_the_template_has_it():
-    conv = Conversation(Settings(reasoning="low", temperature=0.5, block_size=4, speculative=False))
+    conv = Conversation(Settings.of(reasoning="low", temperature=0.5, block_size=4, speculative=False))
     kwargs = conv.generation_kwargs()
     assert "chat_template_kwargs" not in kwargs
     settings = kwargs["settings"]
@@ -153,22 +153,32 @@ def test_reasoning_strength_is_passed_only_when_the_template_has_it():
 
 
 def test_each_turn_draws_a_fresh_seed_unless_one_is_set():
-    fresh = Conversation(Settings(temperature=0.8))
+    fresh = Conversation(Settings.of(temperature=0.8))
     seeds = {fresh.generation_kwargs()["settings"].seed for _ in range(5)}
     assert len(seeds) > 1
-    fixed = Conversation(Settings(temperature=0.8, seed=3))
+    fixed = Conversation(Settings.of(temperature=0.8, seed=3))
     assert {fixed.generation_kwargs()["settings"].seed for _ in range(5)} == {3}
 
 
 def test_chat_settings_are_checked_when_made_and_never_changed_in_place():
     with pytest.raises(GlimmerError, match="top_p must be in"):
-        Settings(top_p=0)
+        Settings.of(top_p=0)
     with pytest.raises(GlimmerError, match="reasoning must be one of"):
         Settings(reasoning="max")
     s = Settings()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.temperature = 1.0
-    assert s.with_changes(temperature=1.0).generation().sampling.temperature == 1.0
+        s.system = "Be brief."
+    assert s.with_changes(temperature=1.0).generation.sampling.temperature == 1.0
+    assert s.generation.sampling.temperature == 0.0
+
+
+def test_chat_settings_hold_one_generation_settings_and_name_it_flat_for_flags_and_history():
+    s = Settings.of(temperature=0.5, block_size=4, seed=3, system="Be brief.")
+    assert s.generation == GenerationSettings.of(temperature=0.5, block_size=4, seed=3, max_tokens=1024)
+    assert (s.fresh_seed, s.system) == (False, "Be brief.")
+    assert s.flat()["seed"] == 3 and Settings().flat()["seed"] is None  # None: a fresh seed every turn
+    assert Settings.of(**s.flat()) == s
+    assert s.with_changes(seed=None, system=None) == Settings.of(temperature=0.5, block_size=4)
 
 
 def test_every_command_has_one_table_entry_with_usage_help_and_apply():

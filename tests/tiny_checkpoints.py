@@ -161,14 +161,19 @@ def build_llama_target(path: Path, *, layers: int = 6, hidden: int = 64, seed: i
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).float().eval()
+    save_randomised(model, path, seed)
+    write_tokenizer(path)
+    return path
+
+
+def save_randomised(model, path: Path, seed: int) -> None:
+    """Random matrices (std 0.15) and random norms (so parity tests can fail), saved as safetensors."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 2:
                 param.normal_(0.0, 0.15)
     randomise_norms(model, seed + 1)
     model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return path
 
 
 def build_assistant(
@@ -203,12 +208,7 @@ def build_assistant(
         **overrides,
     )
     model = MuseGlimmerAssistantModel(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2:
-                param.normal_(0.0, 0.15)
-    randomise_norms(model, seed + 1)
-    model.save_pretrained(path, safe_serialization=True)
+    save_randomised(model, path, seed)
     # Meta's published config carries neither of these.
     cfg_path = Path(path) / "config.json"
     cfg = json.loads(cfg_path.read_text())

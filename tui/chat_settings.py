@@ -7,47 +7,60 @@ import dataclasses
 import secrets
 from dataclasses import dataclass
 
-from ..chat_template import DEFAULT_REASONING, REASONING_LEVELS
-from ..errors import GlimmerError
-from ..settings import GenerationSettings
+from mlx_glimmer.chat_template import DEFAULT_REASONING, REASONING_LEVELS
+from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.settings import SEED_LIMIT, GenerationSettings
+
+CHAT_GENERATION = GenerationSettings(max_tokens=1024)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """A chat's settings as the user sets them (flags, slash commands) and its history stores them (flat JSON).
+    """How a chat generates (`generation`) and what is the chat's own: whether each turn draws a fresh seed
+    (`fresh_seed`; else every turn uses `generation.seed`, and so repeats its answer), the system prompt and
+    the reasoning strength.
 
-    The generation part becomes one `GenerationSettings` per turn (`generation`), which checks it: a
-    `Settings` that could not generate is never made."""
+    Flags, slash commands and the chat history name the settings flat (`flat`, `with_changes`, `of`):
+    `GenerationSettings.of`'s keywords, `seed` (None: a fresh one per turn), `system` and `reasoning`."""
 
-    max_tokens: int = 1024
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None  # None: a fresh seed every turn; a number: the same seed (and answer) every time
-    block_size: int | None = None  # None: auto, chosen every round
-    speculative: bool = True
+    generation: GenerationSettings = CHAT_GENERATION
+    fresh_seed: bool = True
     system: str | None = None
     reasoning: str = DEFAULT_REASONING
 
     def __post_init__(self):
-        self.generation(seed=0)
+        if not isinstance(self.generation, GenerationSettings):
+            raise GlimmerError(f"generation must be a GenerationSettings, got {type(self.generation).__name__}")
         if self.reasoning not in REASONING_LEVELS:
             raise GlimmerError(f"reasoning must be one of {', '.join(REASONING_LEVELS)}, got {self.reasoning!r}")
 
-    def generation(self, seed: int | None = None) -> GenerationSettings:
-        """This turn's `GenerationSettings`; `seed` is used when the chat has none of its own."""
-        return GenerationSettings.of(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            block_size=self.block_size,
-            speculative=self.speculative,
-            seed=self.seed if self.seed is not None else (seed if seed is not None else secrets.randbelow(2**31)),
-        )
+    @classmethod
+    def of(cls, **flat) -> Settings:
+        """The default chat's settings with `flat` changes (as `with_changes`)."""
+        return cls().with_changes(**flat)
 
-    def with_changes(self, **changes) -> Settings:
-        return dataclasses.replace(self, **changes)
+    def with_changes(self, **flat) -> Settings:
+        """A copy with `flat` changes. None leaves a generation setting as it is; `seed=None` draws a fresh seed
+        every turn and `system=None` removes the system prompt."""
+        own = {name: flat.pop(name) for name in ("system", "reasoning") if name in flat}
+        if "seed" in flat:
+            own["fresh_seed"] = flat["seed"] is None
+            flat["seed"] = 0 if flat["seed"] is None else flat["seed"]
+        return dataclasses.replace(self, generation=self.generation.updated(**flat), **own)
+
+    def flat(self) -> dict:
+        return {
+            **self.generation.flat(),
+            "seed": None if self.fresh_seed else self.generation.seed,
+            "system": self.system,
+            "reasoning": self.reasoning,
+        }
+
+    def for_turn(self) -> GenerationSettings:
+        """The next turn's `GenerationSettings`: `generation`, with a fresh seed when the chat draws one."""
+        if not self.fresh_seed:
+            return self.generation
+        return dataclasses.replace(self.generation, seed=secrets.randbelow(SEED_LIMIT))
 
 
 DEFAULT_CHAT = Settings()

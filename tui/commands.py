@@ -15,8 +15,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..chat_template import REASONING_LEVELS
-from ..sampling import SamplingError, SamplingParams
+from mlx_glimmer.chat_template import REASONING_LEVELS
+from mlx_glimmer.settings import AUTO, SamplingError, SamplingParams
 
 KEYS_HELP = (
     "keys: enter send · ctrl+j new line · ↑/↓ history · esc or ctrl+c cancel · ctrl+l clear · "
@@ -76,10 +76,10 @@ def temperature(name: str, arg: str) -> float:
     return value
 
 
-def block_size(name: str, arg: str) -> int | None:
+def block_size(name: str, arg: str) -> int | str:
     text(name, arg)
-    if arg.lower() == "auto":
-        return None  # chosen every round (the default)
+    if arg.lower() == AUTO:
+        return AUTO  # chosen every round (the default)
     try:
         value = int(arg)
     except ValueError:
@@ -168,7 +168,7 @@ def has_no_drafter(app) -> bool:
     return app.pair is not None and app.pair.drafter is None
 
 
-def set_block_size(app, value: int | None) -> None:
+def set_block_size(app, value: int | str) -> None:
     if has_no_drafter(app):
         raise CommandError("this model has no drafter; the block size does not apply")
     app.update_settings(block_size=value)

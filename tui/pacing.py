@@ -3,8 +3,10 @@
 The UI thread and the MLX thread share the GIL, so every redraw is time the
 decoder waits. `Pacer` spaces updates so that the UI thread's own CPU time
 (Textual's layout and rendering of the last update included) stays near a
-fixed share of the wall time: a cheap screen updates up to 30 times a second,
-a heavy one (a long answer with many Markdown blocks) less often.
+fixed share of the wall time: a cheap screen updates as often as `fastest`
+allows, a heavy one (a long answer with many Markdown blocks) less often.
+What the app's decode speed comes to against `generate`:
+benchmarks/chat_stream_speed.py, results in benchmarks/results/chat_stream_speed_*.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def leave_a_core_for_the_ui() -> int | None:
     """On Linux with OpenBLAS doing the matmuls, run it on all cores but one.
 
     With BLAS threads on every core, the UI thread's few percent of CPU preempts a
-    BLAS worker and the whole matmul waits for it: measured on a 2-core CPU, the
-    app decoded 0.67x as fast as `generate` on the tiny test pair; with one core
-    left free, 0.83x; the demo pair stayed at 0.9-1.0x (benchmarks/chat_stream_speed.py).
+    BLAS worker and the whole matmul waits for it; with one core left free the app
+    decodes closer to `generate`'s speed (benchmarks/chat_stream_speed.py measures
+    both ways; the figures are in benchmarks/README.md, "The chat app").
     Leaves an explicit OPENBLAS_NUM_THREADS / OMP_NUM_THREADS alone; returns the
     thread count set, or None.
     """

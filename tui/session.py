@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..chat_template import REASONING_VARIABLE
-from ..generate import GenerationStats, stream_generate
-from ..speculative import DecodeState
-from .channels import split_channels
+from mlx_glimmer.channels import split_channels
+from mlx_glimmer.chat_template import REASONING_VARIABLE
+from mlx_glimmer.generate import GenerationChunk, GenerationStats, collect, stream_generate
+from mlx_glimmer.speculative import DecodeState
+
 from .chat_settings import DEFAULT_CHAT, Settings  # noqa: F401  (re-exported: the chat's settings live apart from MLX)
 
 
@@ -54,7 +55,7 @@ class Conversation:
 
     def generation_kwargs(self) -> dict:
         """`stream_generate`'s arguments for the next turn: its settings and the chat template's keywords."""
-        kwargs: dict = {"settings": self.settings.generation()}
+        kwargs: dict = {"settings": self.settings.for_turn()}
         if self.reasoning_supported:
             kwargs["chat_template_kwargs"] = {REASONING_VARIABLE: self.settings.reasoning}
         return kwargs
@@ -77,29 +78,26 @@ def run_turn(
 ) -> Turn:
     """Generate one answer; stops after the current round once `cancel` is set.
 
-    Closing the generator at a round boundary leaves `state` holding exactly
-    what the target processed, so the next turn reuses it.
+    Stopping at a round boundary leaves `state` holding exactly what the target
+    processed, so the next turn reuses it.
     """
-    text, ids, stats = [], [], GenerationStats()
-    chunks = stream_generate(pair, messages, state=state, **kwargs)
+    shown: list[str] = []  # the text so far, for `on_progress`
     last = 0.0
-    try:
-        for chunk in chunks:
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            stats = chunk.stats
-            if on_progress is not None and time.monotonic() - last >= progress_interval:
-                on_progress("".join(text), snapshot(stats))
-                last = time.monotonic()
-            if cancel is not None and cancel.is_set():
-                break
-    finally:
-        chunks.close()
-    stats = snapshot(stats)
+
+    def on_chunk(chunk: GenerationChunk) -> bool:
+        nonlocal last
+        shown.append(chunk.text)
+        if on_progress is not None and time.monotonic() - last >= progress_interval:
+            on_progress("".join(shown), snapshot(chunk.stats))
+            last = time.monotonic()
+        return cancel is not None and cancel.is_set()
+
+    result = collect(stream_generate(pair, messages, state=state, **kwargs), on_chunk)
+    stats = snapshot(result.stats)
     cancelled = stats.finish_reason is None
     if cancelled:
         stats.finish_reason = "cancelled"
-    return Turn(messages[-1]["content"], "".join(text), ids, stats, cancelled)
+    return Turn(messages[-1]["content"], result.text, result.token_ids, stats, cancelled)
 
 
 def rebuild_state(pair, processed: list[int], state: DecodeState, settings: Settings = DEFAULT_CHAT) -> int:
@@ -111,7 +109,7 @@ def rebuild_state(pair, processed: list[int], state: DecodeState, settings: Sett
     """
     if not processed:
         return 0
-    chunks = stream_generate(pair, list(processed), settings.generation(seed=0).updated(max_tokens=1), state=state)
+    chunks = stream_generate(pair, list(processed), settings.generation.updated(max_tokens=1), state=state)
     try:
         next(chunks)  # the prefill step; closing here leaves state.processed == processed
     finally:

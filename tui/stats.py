@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..generate import GenerationStats
+from mlx_glimmer.generate import GenerationStats
+
+from .session import Turn
 
 BAR = "█"
 EIGHTHS = " ▁▂▃▄▅▆▇█"
@@ -74,3 +76,29 @@ def turn_summary(stats: GenerationStats) -> str:
         parts.append(f"{stats.mean_acceptance:.2f} tok/round")
     parts += [prefill_line(stats), stats.finish_reason or ""]
     return " · ".join(p for p in parts if p)
+
+
+def last_stats(turns: list[Turn]) -> GenerationStats | None:
+    """The statistics of the last answer that has them (the stats panel's)."""
+    return next((t.stats for t in reversed(turns) if t.stats is not None), None)
+
+
+def session_report(turns: list[Turn]) -> str:
+    """`/stats`: the last answer's figures, then the whole conversation's."""
+    last = last_stats(turns)
+    rows = stats_rows(last)
+    width = max(len(k) for k, _ in rows)
+    lines = ["last answer:"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    if last is not None:
+        lines.append(f"  {prefill_line(last)}")
+    done = [t.stats for t in turns if t.stats is not None]
+    rounds = [n for st in done for n in st.acceptance_lengths]
+    tokens = sum(st.generated_tokens for st in done)
+    mean = sum(rounds) / len(rounds) if rounds else 0.0
+    prompt = sum(st.prompt_tokens for st in done)
+    prefilled = sum(st.prefill_tokens for st in done)
+    lines.append(
+        f"session: {len(done)} answers, {tokens} tokens, {mean:.2f} tok/round over {len(rounds)} rounds, "
+        f"prefilled {prefilled} of {prompt} prompt tokens"
+    )
+    return "\n".join(lines)

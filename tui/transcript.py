@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -27,7 +26,7 @@ def transcript_markdown(turns: list[Turn], *, model: str, settings: Settings) ->
 def stats_record(turns: list[Turn], *, model: str, settings: Settings) -> dict:
     return {
         "model": model,
-        "settings": dataclasses.asdict(settings),
+        "settings": settings.flat(),
         "turns": [
             {"user": t.user, "text": t.text, "cancelled": t.cancelled, "stats": t.stats.to_dict() if t.stats else None}
             for t in turns

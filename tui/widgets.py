@@ -8,9 +8,10 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Select, Static, TextArea
 
-from ..chat_template import DEFAULT_REASONING, REASONING_LEVELS
-from ..generate import GenerationStats
-from .channels import split_channels
+from mlx_glimmer.channels import split_channels
+from mlx_glimmer.chat_template import DEFAULT_REASONING, REASONING_LEVELS
+from mlx_glimmer.generate import GenerationStats
+
 from .history import InputHistory
 from .session import Turn
 from .stats import histogram, prefill_line, sparkline, stats_rows, turn_summary
@@ -147,7 +148,8 @@ class AssistantMessage(Vertical):
             self._stream = None
 
     async def finish(self, turn: Turn) -> None:
-        """The answer is complete: render it whole once, collapse the reasoning, add the summary line."""
+        """The answer is complete: render it whole once, collapse the reasoning, add the summary line
+        (a stored turn whose statistics could not be read says so)."""
         self._finished = True
         await self._stop()
         ch = split_channels(turn.text)
@@ -155,8 +157,8 @@ class AssistantMessage(Vertical):
         self.query_one(Collapsible).collapsed = True
         await self.query_one(Markdown).update(ch.answer)
         self._shown = ch.answer
-        if turn.stats is not None:
-            self.query_one(".summary", Static).update(turn_summary(turn.stats))
+        summary = turn_summary(turn.stats) if turn.stats is not None else "stats unavailable"
+        self.query_one(".summary", Static).update(summary)
 
     @property
     def answer_source(self) -> str | None:

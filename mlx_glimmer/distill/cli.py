@@ -81,8 +81,8 @@ def add_distill_parser(sub) -> None:
         "--gen-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="torch generator precision (default float32, the target's exactly; bfloat16 is ~3.4x faster on "
-        "CPUs with AVX-512 bf16/AMX and gives answers that drift from float32 greedy after ~30 tokens)",
+        help="torch generator precision (default float32, the target's exactly; bfloat16 is faster on CPUs "
+        "with AVX-512 bf16/AMX, and its answers drift apart from float32 greedy ones: docs/distill.md)",
     )
     p.add_argument(
         "--gen-threads", type=positive_int, default=None, help="CPU threads for the torch generator (default: all)"

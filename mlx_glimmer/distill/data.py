@@ -7,8 +7,7 @@ wrappers over their library's own batched generation:
 
 - `MLXAnswerer`: mlx-lm's `batch_generate` (the fast one on Apple silicon);
 - `TorchAnswerer`: transformers' `generate` on the same weights, dequantized
-  from the bundle (the fast one on a Linux CPU: 226 vs 117 tokens/s measured
-  here at batch 64, DESIGN section 7).
+  from the bundle (the faster of the two on a Linux CPU).
 
 A record is `{"index", "tag", "prompt_ids", "response_ids"}`; `response_ids`
 ends with the stop token when the target emitted one (the drafter learns to
@@ -26,7 +25,6 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..errors import GlimmerError
-from ..paths import DATA_DIR  # noqa: F401  (re-exported)
 
 
 class Answerer(Protocol):
@@ -112,9 +110,9 @@ class MLXAnswerer:
 class TorchAnswerer:
     """transformers' `generate` with left padding; weights from the bundle, on the CPU unless told.
 
-    `dtype` "bfloat16" runs the target in bfloat16 (3.4x float32's tokens/s on this AVX-512/AMX CPU, batch 64):
-    the answers are then the bfloat16 target's, which agree with float32 greedy token by token but drift apart
-    after ~30 tokens on average. Labels stay the target's text; features are always the float32 target's.
+    `dtype` "bfloat16" runs the target in bfloat16 (faster on a CPU with AVX-512 bf16/AMX; docs/distill.md):
+    the answers are then the bfloat16 target's, which agree with float32 greedy token by token at first but
+    drift apart further on. Labels stay the target's text; features are always the float32 target's.
     """
 
     def __init__(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..drafters.dflash import DFlashDrafter, DFlashModel
-from ..sampling import SamplingParams
+from ..settings import GenerationSettings
 from ..speculative import generate_steps
 from ..target import Target
 
@@ -36,17 +36,8 @@ def heldout_acceptance(
     drafter = DFlashDrafter(model, target)
     per_prompt, tokens, forwards = [], 0, 0
     for ids in prompts:
-        steps = list(
-            generate_steps(
-                target,
-                ids,
-                drafter=drafter,
-                params=SamplingParams(),
-                block_size=block_size,
-                max_tokens=max_tokens,
-                stop_ids=stop_ids,
-            )
-        )
+        settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size)
+        steps = list(generate_steps(target, ids, settings, drafter=drafter, stop_ids=stop_ids))
         rounds = [len(s.tokens) for s in steps[1:]]
         if rounds:
             per_prompt.append(float(np.mean(rounds)))

@@ -105,13 +105,25 @@ def cmd_distill(args, open_pair) -> int:
     if args.prompts != "synth":
         load_prompts(Path(args.prompts))  # a malformed file is one error line now, not after the target loads
     pair = open_pair(args.target, None, use_drafter=False)
-    target, tok = pair.target, pair.tokenizer
-    check_against_target(args, target.vocab_size, target.num_layers)
+    check_against_target(args, pair.target.vocab_size, pair.target.num_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "data" / "responses.jsonl"
+    records = answered_records(args, pair, temps, heldout, out / "data")
+    n_tokens = sum(len(r["response_ids"]) for r in records)
+    print(f"[data] {len(records)} answers, {n_tokens} target tokens", file=sys.stderr)
+    if args.data_only:
+        return 0
+    train_and_export(args, pair, records, n_tokens, heldout, out)
+    return 0
+
+
+def answered_records(args, pair, temps: list[float], heldout: list[str], data_dir: Path) -> list[dict]:
+    """The target's answers to the training prompts (and the follow-up turns), generated into
+    `data_dir/responses.jsonl` where missing: the records the run trains on."""
+    tok = pair.tokenizer
+    data = data_dir / "responses.jsonl"
     answer = None if args.train_only else make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
-    train_prompts = training_prompts(args, answer, tok, heldout, out / "data")[: args.max_prompts]
+    train_prompts = training_prompts(args, answer, tok, heldout, data_dir)[: args.max_prompts]
     tags = []
     for i, t in enumerate(temps):
         tags.append("greedy" if t == 0 else f"t{t}")
@@ -144,14 +156,12 @@ def cmd_distill(args, open_pair) -> int:
             tag="followup",
         )
         tags.append("followup")
-    records = [r for r in read_records(data) if r["tag"] in set(tags)]
-    n_tokens = sum(len(r["response_ids"]) for r in records)
-    print(f"[data] {len(records)} answers, {n_tokens} target tokens", file=sys.stderr)
-    if args.data_only:
-        return 0
+    return [r for r in read_records(data) if r["tag"] in set(tags)]
 
-    mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
-    config = TrainConfig(
+
+def train_config(args) -> TrainConfig:
+    """The recipe the flags ask for."""
+    return TrainConfig(
         layers=args.layers,
         mlp_width=args.mlp_width,
         context_layers=args.context_layers,
@@ -169,10 +179,16 @@ def cmd_distill(args, open_pair) -> int:
         soft_labels=args.soft_labels,
         train_tags=tuple(args.train_tags.split(",")) if args.train_tags else None,
     )
+
+
+def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path) -> None:
+    """Train on `records`, evaluating held-out acceptance as it goes (logged to OUT/log.json), and export the
+    best checkpoint to OUT/drafter."""
+    target, tok = pair.target, pair.tokenizer
+    mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
+    config = train_config(args)
     source = None
-    if (
-        config.backend == "torch"
-    ):  # the torch step's features come from torch too (batched, bfloat16: minutes, not hours)
+    if config.backend == "torch":  # its features come from torch too (batched, bfloat16: minutes, not hours)
         from .features import TorchFeatures
 
         source = TorchFeatures(pair.target_path)
@@ -224,7 +240,6 @@ def cmd_distill(args, open_pair) -> int:
         f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {out / 'drafter'}",
         file=sys.stderr,
     )
-    return 0
 
 
 def export_best(evaluations: list[dict], out: Path) -> dict:

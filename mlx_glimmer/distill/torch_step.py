@@ -7,24 +7,24 @@ position ids [0..T-1 ; a..a+B-1 per block]. Block j sees context positions
 < a_j and its own block only: `block_attention`, registered with transformers'
 `AttentionInterface`, computes just those scores (queries x context, and B x B
 inside each block) instead of a dense masked [A*B, T + A*B] attention, which
-spent ~75% of its work on masked block pairs. That is exactly
+spent most of its work on masked block pairs. That is exactly
 `train.block_forward`'s attention, which a test checks.
 
 The loss is `head_cross_entropy`: the frozen draft head and the weighted
 cross-entropy in one autograd function over row chunks (~8 MB of logits each),
 with the gradient for the hidden states computed on the way (the head is
 frozen, so nothing else needs it). Done the plain way (logits, float32 copy,
-log-softmax, its backward) the [rows, draft vocab] logits made ~30% of a step's
-time in memory traffic.
+log-softmax, its backward) the [rows, draft vocab] logits cost a large share of a
+step's time in memory traffic.
 
 The weights start from, and are copied back into, the MLX drafter (`sync`), so
 evaluation, checkpoints and export are the MLX trainer's. Master weights and
 AdamW state stay float32; matmuls run in bfloat16 where the CPU has AVX-512
 bf16/AMX (`dtype="float32"` turns autocast off).
 
-Compiled, the forward is specialised to each context width (static shapes:
-1.22x the steps of one dynamic-shape graph on this CPU, the softmax kernels
-vectorise better; `benchmarks/results/torch_step_shapes.json`);
+Compiled, the forward is specialised to each context width (static shapes: more
+steps per second than one dynamic-shape graph, the softmax kernels vectorise
+better; `benchmarks/experiments/results/torch_step_shapes.json`);
 `Trainer.warm_up` compiles every width the data has before the first step.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from mlx.utils import tree_flatten
 
-from ..drafters.base import DrafterConfig
+from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel
 from .step import Batch, TrainConfig, learning_rate
 

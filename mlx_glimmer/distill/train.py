@@ -45,12 +45,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafters.base import DrafterConfig
+from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
-from .features import FeatureSource, FeatureStore, target_features  # noqa: F401  (re-exported for tests and scripts)
-from .step import Batch, TrainConfig, TrainStep, learning_rate  # noqa: F401  (TrainConfig re-exported for scripts)
+from .features import FeatureSource, FeatureStore
+from .step import Batch, TrainConfig, TrainStep, learning_rate
 
 
 def drafter_config_for(

@@ -1,6 +1,12 @@
 """Drafters: what proposes the tokens the target verifies.
 
-Block drafters (one forward per block; `base.py` holds what they share):
+    base.py          the contract every drafter inherits (`Drafter`), as the loop calls it
+Block drafters (one forward per block):
+    config.py        the settings they read (`DrafterConfig`)
+    layers.py        the Qwen3-style decoder layer they build on
+    context.py       the context K/V of committed positions, and the block forward over it
+    block.py         a block drafter model bound to its target (`BlockDrafter`)
+    loading.py       the one config reader and the one weight loader
     dflash.py        DFlash: Meta's `muse_glimmer_assistant`, z-lab `DFlashDraftModel`
     dflash2.py       DFlash2: + grouped dynamic conv and a candidate selector
     dspark.py        DSpark heads: + Markov bias and a confidence head
@@ -9,7 +15,3 @@ Others:
     draft_model.py   classic drafting with a small autoregressive model
     prompt_lookup.py n-gram lookup in prompt + output (no model)
 """
-
-from .registry import DRAFT_MODEL, FAMILIES, Family, drafter_kind, family_of
-
-__all__ = ["DRAFT_MODEL", "FAMILIES", "Family", "drafter_kind", "family_of"]

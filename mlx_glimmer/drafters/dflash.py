@@ -20,15 +20,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import (
-    BlockContext,
-    BlockDrafter,
-    DecoderLayer,
-    DrafterConfig,
-    load_block_model,
-    make_rope,
-    read_drafter_config,
-)
+from .block import BlockDrafter
+from .config import DrafterConfig
+from .context import BlockContext
+from .layers import DecoderLayer, make_rope
+from .loading import load_block_model, read_drafter_config
 
 
 def dflash_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:

@@ -39,17 +39,11 @@ import mlx.nn as nn
 from ..errors import GlimmerError
 from ..sampling import probabilities
 from ..target import output_projection
-from .base import (
-    MLP,
-    Attention,
-    BlockContext,
-    BlockDrafter,
-    SourceConfig,
-    load_block_model,
-    make_rope,
-    quantizable,
-    read_drafter_config,
-)
+from .block import BlockDrafter
+from .config import SourceConfig
+from .context import BlockContext
+from .layers import Attention, DecoderLayer, make_rope, quantizable
+from .loading import load_block_model, read_drafter_config
 
 SELECTOR_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -161,13 +155,9 @@ class GroupedDynamicCausalConv(nn.Module):
         return self._convolve(x, dynamic, self.base_kernel[1])
 
 
-class DFlash2Layer(nn.Module):
+class DFlash2Layer(DecoderLayer):
     def __init__(self, cfg: DFlash2Config, layer_idx: int):
-        super().__init__()
-        self.self_attn = DFlash2Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        super().__init__(cfg, layer_idx, DFlash2Attention)
         self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 

@@ -24,13 +24,13 @@ from ..cache import make_rollback_cache, trim_cache
 from ..errors import GlimmerError
 from ..sampling import probabilities, sample
 from ..speculative import common_prefix
+from .base import Drafter
 
 UNREAD = -1  # a drafted token in the draft model's cache whose id is not known yet (never equals a token id)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     kind = "draft-model"
-    target_layer_ids = ()
 
     def __init__(self, model, *, draft_k: int = 4, adaptive: bool = False, max_k: int = 16):
         self.model = model

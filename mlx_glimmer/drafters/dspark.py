@@ -35,16 +35,11 @@ import mlx.nn as nn
 
 from ..errors import GlimmerError
 from ..sampling import probabilities
-from .base import (
-    BlockContext,
-    BlockDrafter,
-    DecoderLayer,
-    SourceConfig,
-    load_block_model,
-    make_rope,
-    quantizable,
-    read_drafter_config,
-)
+from .block import BlockDrafter
+from .config import SourceConfig
+from .context import BlockContext
+from .layers import DecoderLayer, make_rope, quantizable
+from .loading import load_block_model, read_drafter_config
 
 DEFAULT_CONFIDENCE_THRESHOLD = 0.5
 UNSUPPORTED_BACKBONES = ("deepseek_v4", "gemma4", "gemma4_text")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .base import Drafter
 
-class PromptLookupDrafter:
+
+class PromptLookupDrafter(Drafter):
     kind = "prompt-lookup"
-    target_layer_ids = ()
 
     def __init__(self, *, draft_k: int = 10, max_ngram: int = 4, min_ngram: int = 1):
         self.draft_k = draft_k

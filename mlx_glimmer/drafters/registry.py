@@ -15,10 +15,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import BlockDrafter, DrafterConfig, checked_config, load_block_model
+from .block import BlockDrafter
+from .config import DrafterConfig
 from .dflash import DFlashDrafter, DFlashModel
 from .dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Model
 from .dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from .loading import checked_config, load_block_model
 
 DRAFT_MODEL = "draft-model"  # not a block family: any other causal LM
 

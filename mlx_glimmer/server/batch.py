@@ -35,11 +35,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ..divergence import margins, next_token_logits, to_numpy
-from ..sampling import SamplingParams
+from ..divergence import explain_first_divergence, next_token_logits, to_numpy
+from ..settings import SamplingParams
 from ..speculative import DecodeState
 from ..target import Target
-from ..torch_backend.parity import first_divergence
 
 
 def batch_support(target) -> str | None:
@@ -216,8 +215,7 @@ class DecodeBatch:
                 extra = own[0].offset - len(row.state.processed)
                 for c in own:
                     c.trim(extra)
-                settle = getattr(row.state.drafter, "settle", None)
-                context = settle() if settle is not None else []
+                context = row.state.drafter.settle() if row.state.drafter is not None else []
                 mx.eval([c.state for c in own], context)  # its own buffers now, not views of the batch's
                 row.state.cache = own
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
@@ -312,22 +310,10 @@ def explain_batched_divergence(
     target: Target, dtype: str, prompt: list[int], reference: list[int], tokens: list[int], rows: int
 ) -> dict | None:
     """The first position where a batched greedy output `tokens` leaves the solo one `reference` (both
-    generated after `prompt`), with the logits of the next token there computed both ways: a 1-row step and
-    a batched step of `rows` rows (`batch_logits`); each kernel's top1 - top2 margin, the gap between the two
-    tokens and the tolerance of `dtype` (`divergence.margins`). None when one output is a prefix of the
-    other. A tie: the gap is within tolerance on both kernels."""
-    i = first_divergence(reference, tokens)
-    if i is None or i >= min(len(reference), len(tokens)):
-        return None
-    a, b = reference[i], tokens[i]
-    context = list(prompt) + list(reference[:i])
+    generated after `prompt`), with the margins of the next token's logits there computed both ways: a 1-row
+    step and a batched step of `rows` rows (`batch_logits`). None when one output is a prefix of the other."""
     kernels = {
-        "step (1 row)": margins(next_token_logits(target, context, 1), a, b, dtype),
-        f"batched ({rows} rows)": margins(to_numpy(batch_logits(target, context, rows)), a, b, dtype),
+        "step (1 row)": lambda context: next_token_logits(target, context, 1),
+        f"batched ({rows} rows)": lambda context: to_numpy(batch_logits(target, context, rows)),
     }
-    return {
-        "position": i,
-        "tokens": [a, b],
-        "kernels": kernels,
-        "tie": all(k["gap"] <= k["tolerance"] for k in kernels.values()),
-    }
+    return explain_first_divergence(kernels, dtype, prompt, reference, tokens)

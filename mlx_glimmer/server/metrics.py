@@ -121,111 +121,141 @@ def by_label(label: str, values: dict, empty, zero: float = 0) -> list[tuple[str
     return [(f'{{{label}="{k}"}}', v) for k, v in sorted(values.items())] or [(f'{{{label}="{empty}"}}', zero)]
 
 
-def metrics_text(
-    metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int, uptime_s: float
-) -> str:
-    """The Prometheus text of `/metrics`."""
-    m = metrics.snapshot()
-    cache = m.prefix_cache
-    lines = []
+def metric(lines: list[str], name: str, kind: str, help: str, samples: list[tuple[str, float]] | float) -> None:
+    """One Prometheus metric: its HELP and TYPE lines and a sample per label set."""
+    lines.append(f"# HELP glimmer_{name} {help}")
+    lines.append(f"# TYPE glimmer_{name} {kind}")
+    for labels, value in samples if isinstance(samples, list) else [("", samples)]:
+        lines.append(
+            f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}"
+        )
 
-    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]] | float):
-        lines.append(f"# HELP glimmer_{name} {help}")
-        lines.append(f"# TYPE glimmer_{name} {kind}")
-        for labels, value in samples if isinstance(samples, list) else [("", samples)]:
-            lines.append(
-                f"glimmer_{name}{labels} {value:g}" if isinstance(value, float) else f"glimmer_{name}{labels} {value}"
-            )
 
+def scheduling_metrics(lines: list[str], m: ServerMetrics, queue_depth: int, busy: bool) -> None:
     metric(
+        lines,
         "requests_total",
         "counter",
         "requests finished, by finish reason",
         by_label("finish_reason", m.requests, "stop"),
     )
-    metric("rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
-    metric("queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
-    metric("busy", "gauge", "1 while a request is generating", int(busy))
+    metric(lines, "rejected_requests_total", "counter", "requests refused with 503 (queue full)", m.rejected)
+    metric(lines, "queue_depth", "gauge", "requests waiting for the generation thread", queue_depth)
+    metric(lines, "busy", "gauge", "1 while a request is generating", int(busy))
     metric(
+        lines,
         "batch_size",
         "gauge",
         "requests decoding now: 1 alone (speculative), more decoded together in one forward per step",
         m.batch_size,
     )
-    metric("max_batch", "gauge", "most requests decoded together (--max-batch)", m.max_batch)
+    metric(lines, "max_batch", "gauge", "most requests decoded together (--max-batch)", m.max_batch)
     metric(
+        lines,
         "batching_supported",
         "gauge",
         "1 when this target's requests can be decoded together",
         int(m.batching_supported),
     )
     metric(
+        lines,
         "batched_steps_total",
         "counter",
         "batched target forwards, by batch size",
         by_label("batch_size", m.batched_steps, 2),
     )
-    metric("batched_tokens_total", "counter", "tokens of finished requests decoded in a batch", m.batched_tokens)
+    metric(lines, "batched_tokens_total", "counter", "tokens of finished requests decoded in a batch", m.batched_tokens)
     metric(
+        lines,
         "solo_tokens_per_second",
         "gauge",
         "measured decoding speed of a lone request (what batching must beat)",
         float(m.solo_tokens_per_second),
     )
     metric(
+        lines,
         "batched_tokens_per_second",
         "gauge",
         "measured throughput of batched steps, all requests together, by batch size",
         by_label("batch_size", {k: float(v) for k, v in m.batched_tokens_per_second.items()}, 2, 0.0),
     )
-    metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
-    metric("prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
-    metric("reused_tokens_total", "counter", "prompt tokens served from the prefix cache", m.reused_tokens)
-    metric("generated_tokens_total", "counter", "tokens generated", m.generated_tokens)
-    metric("target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
-    metric("mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance))
+
+
+def decoding_metrics(lines: list[str], m: ServerMetrics) -> None:
+    metric(lines, "prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens)
+    metric(lines, "prefill_tokens_total", "counter", "prompt tokens actually prefilled", m.prefill_tokens)
+    metric(lines, "reused_tokens_total", "counter", "prompt tokens served from the prefix cache", m.reused_tokens)
+    metric(lines, "generated_tokens_total", "counter", "tokens generated", m.generated_tokens)
+    metric(lines, "target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
     metric(
+        lines, "mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance)
+    )
+    metric(
+        lines,
         "decode_tokens_per_second",
         "gauge",
         "decode speed over all requests",
         float((m.generated_tokens - sum(m.requests.values())) / m.decode_s) if m.decode_s else 0.0,
     )
     metric(
+        lines,
         "last_decode_tokens_per_second",
         "gauge",
         "decode speed of the last request",
         float(m.last_decode_tokens_per_second),
     )
     metric(
+        lines,
         "prefill_tokens_per_second",
         "gauge",
         "prefill speed over all requests",
         float(m.prefill_tokens / m.prefill_s) if m.prefill_s else 0.0,
     )
-    metric("queue_wait_seconds_total", "counter", "time requests spent queued", float(m.queue_wait_s))
+    metric(lines, "queue_wait_seconds_total", "counter", "time requests spent queued", float(m.queue_wait_s))
     metric(
+        lines,
         "block_size_requests_total",
         "counter",
         "requests by draft block width",
         by_label("block_size", m.block_sizes, 1),
     )
     metric(
+        lines,
         "rounds_by_committed_tokens_total",
         "counter",
         "verify rounds by tokens committed (acceptance histogram)",
         by_label("committed", m.acceptance, 1),
     )
-    metric("prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
+
+
+def cache_and_memory_metrics(lines: list[str], m: ServerMetrics, prompt_cache_max_bytes: int, uptime_s: float) -> None:
+    cache = m.prefix_cache
+    metric(lines, "prefix_cache_hits_total", "counter", "requests that reused a cached conversation", cache.hits)
     metric(
-        "prefix_cache_forks_total", "counter", "hits served by a copy of a conversation that stays cached", cache.forks
+        lines,
+        "prefix_cache_forks_total",
+        "counter",
+        "hits served by a copy of a conversation that stays cached",
+        cache.forks,
     )
-    metric("prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
-    metric("prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
-    metric("prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)
-    metric("prefix_cache_bytes", "gauge", "bytes held by cached conversations", m.prefix_cache_bytes)
-    metric("prefix_cache_max_bytes", "gauge", "prefix cache bound", prompt_cache_max_bytes)
-    metric("active_memory_bytes", "gauge", "MLX active memory (sampled when idle)", m.active_memory_bytes)
-    metric("cache_memory_bytes", "gauge", "MLX buffer cache (sampled when idle)", m.cache_memory_bytes)
-    metric("peak_memory_bytes", "gauge", "MLX peak memory of any request", m.peak_memory_bytes)
-    metric("uptime_seconds", "gauge", "seconds since the server started", float(uptime_s))
+    metric(lines, "prefix_cache_misses_total", "counter", "requests that started cold", cache.misses)
+    metric(lines, "prefix_cache_evictions_total", "counter", "conversations evicted", cache.evictions)
+    metric(lines, "prefix_cache_entries", "gauge", "conversations cached", m.prefix_cache_entries)
+    metric(lines, "prefix_cache_bytes", "gauge", "bytes held by cached conversations", m.prefix_cache_bytes)
+    metric(lines, "prefix_cache_max_bytes", "gauge", "prefix cache bound", prompt_cache_max_bytes)
+    metric(lines, "active_memory_bytes", "gauge", "MLX active memory (sampled when idle)", m.active_memory_bytes)
+    metric(lines, "cache_memory_bytes", "gauge", "MLX buffer cache (sampled when idle)", m.cache_memory_bytes)
+    metric(lines, "peak_memory_bytes", "gauge", "MLX peak memory of any request", m.peak_memory_bytes)
+    metric(lines, "uptime_seconds", "gauge", "seconds since the server started", float(uptime_s))
+
+
+def metrics_text(
+    metrics: ServerMetrics, *, queue_depth: int, busy: bool, prompt_cache_max_bytes: int, uptime_s: float
+) -> str:
+    """The Prometheus text of `/metrics`."""
+    m = metrics.snapshot()
+    lines: list[str] = []
+    scheduling_metrics(lines, m, queue_depth, busy)
+    decoding_metrics(lines, m)
+    cache_and_memory_metrics(lines, m, prompt_cache_max_bytes, uptime_s)
     return "\n".join(lines) + "\n"

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..chat_template import REASONING_LEVELS
 from ..generate import GenerationStats
-from ..sampling import SamplingError
-from ..settings import AUTO, GenerationSettings
+from ..settings import AUTO, SEED_LIMIT, GenerationSettings, SamplingError
 
 
 class APIError(Exception):
@@ -139,7 +138,7 @@ class CommonFields(BaseModel):
     temperature: float | None = None  # temperature, top_p, top_k: checked by SamplingParams (`request_settings`)
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -197,14 +197,9 @@ class Run:
         self.generated += tokens
         for t in tokens:
             self.detok.add_token(t)
-        n = len(self.generated)
-        done = "stop" if stopped else "length" if n >= self.settings.max_tokens else None
-        stats = self.stats
-        stats.generated_tokens = n
-        if n > 1 and now > self.first_at:
-            stats.decode_tokens_per_second = (n - 1) / (now - self.first_at)
+        self.stats.tally(len(self.generated), self.first_at, now, stopped=stopped, max_tokens=self.settings.max_tokens)
+        done = self.stats.finish_reason
         if done is not None:
-            stats.finish_reason = done
             self.detok.finalize()
         text, hit = self.stop.feed(self.detok.last_segment)
         if text:
@@ -507,20 +502,3 @@ class GenerationWorker:
 
     def _drop(self, run: Run) -> None:
         self.active = [j for j in self.active if j is not run.job]
-
-
-def answer(pair, prompt_cache: PromptCache, job: Job) -> Finished | Failed:
-    """Run one job alone on the calling thread: emit its text as `Delta`s and return how it ended.
-
-    The conversation it extends is taken from `prompt_cache` and put back when the
-    job finishes, is cancelled or meets a stop string (generation is closed at a
-    round boundary, so the state holds exactly what the target processed).
-    """
-    run = Run.start(job, prompt_cache, pair.tokenizer)
-    try:
-        run.alone(pair)
-    except Exception as e:  # a bug, not bad input (requests are validated before they queue)
-        traceback.print_exc(file=sys.stderr)
-        return Failed(f"generation failed: {type(e).__name__}: {e}")  # the half-updated conversation is dropped
-    prompt_cache.put(run.conv)
-    return run.finished()

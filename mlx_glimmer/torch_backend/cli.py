@@ -85,7 +85,7 @@ def add_parity_parser(sub) -> None:
             "Greedy decoding four ways (plain and speculative, on MLX and on torch with the same weights) over a "
             "prompt set. Reports, for every pair of runs, identical or the first diverging position with both "
             "tokens and each backend's logit margins there. Exit 0 only when every divergence is a floating-point "
-            "tie (within the tolerance documented in mlx_glimmer/torch_backend/parity.py)."
+            "tie (within the tolerance documented in mlx_glimmer/divergence.py)."
         ),
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")

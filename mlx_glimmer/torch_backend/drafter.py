@@ -1,4 +1,4 @@
-"""transformers' `MuseGlimmerAssistantModel` as a `Drafter` (see `mlx_glimmer.speculative`).
+"""transformers' `MuseGlimmerAssistantModel` as a `Drafter` (see `mlx_glimmer.drafters.base`).
 
 Each `propose` runs the assistant once on [new context features ; block], with
 transformers' `DFlashCache` protocol (the one its DFlash candidate generator
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.base import DrafterConfig
+from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashDrafter
 from .target import TorchTarget, cache_keyword
 

@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..drafters import DRAFT_MODEL, FAMILIES, drafter_kind
-from ..drafters.base import DrafterConfig, read_weights
+from ..drafters.base import Drafter
+from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel
+from ..drafters.loading import read_weights
+from ..drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from ..errors import GlimmerError
-from ..files import check_model_dir, read_config_json
-from ..loading import open_tokenizer, pair_paths, read_target_config
-from ..speculative import Drafter
+from ..files import check_model_dir, pair_paths, read_config_json
+from ..loading import open_tokenizer, read_target_config
 from . import weights as W
 from .device import pick_device, pick_dtype
 from .drafter import TorchDFlashDrafter

@@ -7,45 +7,11 @@ first diverging position, both tokens, and on the common context (prompt +
 the tokens both agree on) each backend's full-forward logits: the top1 - top2
 margin and the gap between the two tokens.
 
-Tie tolerance
--------------
-Two correct implementations of the same network do not produce bit-equal
-logits: matmul blocking, reduction order, fused kernels and (speculatively)
-verifying 16 positions at once instead of 1 change the rounding. Greedy
-decoding turns that noise into a different token only when the two best
-logits are closer than the noise. A divergence therefore counts as a
-floating-point tie when, on BOTH backends' full-forward logits at the common
-context, the two tokens are within
-
-    tol = REL_TOL[dtype] * max |logit|
-
-where dtype is the coarser of the two backends' compute dtypes. The scale is
-max|logit| because rounding errors are relative: they grow with the size of
-the numbers summed, and the logits inherit the hidden state's relative error.
-Measured on SmolLM2-135M (30 layers, the last position of a chat prompt or 91
-positions of an answer), torch CPU against MLX CPU float32, as
-max |logit difference| / max |logit|:
-
-    float32 weights, torch float32    4.8e-6   (~80 unit roundoffs u = 2^-24)
-    2-bit bundle, torch float32       4.1e-5   (MLX's quantized matmul computes
-                                               scale * sum(q x) + bias * sum(x),
-                                               torch sum((scale q + bias) x))
-    float32 weights, torch float16    6.2e-3   (~13 u, u = 2^-11)
-    float32 weights, torch bfloat16   5.2e-2   (~13 u, u = 2^-8; only 94.5% of
-                                               argmaxes agree)
-
-The gap between two tokens can move by twice that. So:
-
-- float32: 3e-4, about 4x what a quantized bundle needs and 60x the float
-  case, leaving room for a 52-layer, 6656-wide target and GPU kernels, yet far
-  below the logit gaps of real choices (O(0.1-1); 3e-4 x 30 = 9e-3).
-- float16: 2^-6 = 1.6e-2 and bfloat16: 2^-3 = 0.125, i.e. 32 unit roundoffs,
-  above twice the measured ~13 u. In half precision many divergences are ties
-  at this scale (bfloat16 logits near 20-30 are spaced 0.125 apart): parity in
-  float32 is the sharp check, bfloat16 parity only catches gross errors.
-
-A divergence whose gap exceeds the tolerance on either backend is a real
-disagreement (a bug, or weights that differ) and fails the command.
+A divergence is a floating-point tie when, on both backends' logits, the
+two tokens are within the tolerance of the coarser compute dtype
+(`divergence.py` explains and measures it); a gap beyond it on either
+backend is a real disagreement (a bug, or weights that differ) and fails
+the command.
 """
 
 from __future__ import annotations
@@ -56,22 +22,11 @@ from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from pathlib import Path
 
-import numpy as np
-
+from ..divergence import REL_TOL, coarser, first_divergence, margins, mlx_dtype
 from ..errors import GlimmerError
 
-REL_TOL = {"float32": 3e-4, "float16": 2**-6, "bfloat16": 2**-3}
-PRECISION = ("float32", "float16", "bfloat16")  # finest first
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts_heldout.jsonl"
 RUNS = ("mlx plain", "mlx spec", "torch plain", "torch spec")
-
-
-def tolerance(dtype: str, max_abs_logit: float) -> float:
-    return REL_TOL[dtype] * max_abs_logit
-
-
-def coarser(a: str, b: str) -> str:
-    return max(a, b, key=PRECISION.index)
 
 
 @dataclass
@@ -99,13 +54,6 @@ class PromptResult:
     @property
     def identical(self) -> bool:
         return not self.divergences
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def read_prompts(path: Path | None, limit: int) -> list[str | list[dict]]:
@@ -143,18 +91,12 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
 
 def run_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
     """Greedy tokens (a stop token included) and the number of target forwards after prefill, on either backend."""
+    from ..settings import AUTO, GenerationSettings
     from ..speculative import generate_steps
 
-    drafter = pair.drafter if speculative else None
+    settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size or AUTO, speculative=speculative)
     steps = list(
-        generate_steps(
-            pair.target,
-            ids,
-            drafter=drafter,
-            block_size=block_size or (drafter.block_size if drafter else 1),
-            max_tokens=max_tokens,
-            stop_ids=pair.tokenizer.eos_token_ids,
-        )
+        generate_steps(pair.target, ids, settings, drafter=pair.drafter, stop_ids=pair.tokenizer.eos_token_ids)
     )
     return [t for step in steps for t in step.tokens], len(steps) - 1
 
@@ -165,14 +107,6 @@ def mlx_device() -> str:
     return str(mx.default_device().type).rpartition(".")[2]
 
 
-def mlx_dtype(pair) -> str:
-    import mlx.core as mx
-
-    w = pair.target.model.model.embed_tokens
-    dt = getattr(w, "scales", w.weight).dtype
-    return {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dt, "float32")
-
-
 def explain(
     runs: tuple[str, str], position: int, a: int, b: int, context: list[int], backends: dict, dtypes: dict, detok
 ) -> Divergence:
@@ -180,11 +114,8 @@ def explain(
     margin, gap, tol = {}, {}, {}
     dtype = coarser(*dtypes.values())
     for name, logits_of in backends.items():
-        logits = logits_of(context)
-        top2 = np.sort(logits)[-2:]
-        margin[name] = float(top2[1] - top2[0])
-        gap[name] = float(abs(logits[a] - logits[b]))
-        tol[name] = tolerance(dtype, float(np.abs(logits).max()))
+        m = margins(logits_of(context), a, b, dtype)
+        margin[name], gap[name], tol[name] = m["margin"], m["gap"], m["tolerance"]
     tie = all(gap[k] <= tol[k] for k in gap)
     return Divergence(runs, position, (a, b), (detok([a]), detok([b])), margin, gap, tol, tie)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams
+from ..settings import SamplingParams
 
 __all__ = [
     "SamplingParams",

@@ -66,6 +66,11 @@ class TorchTarget:
     def vocab_size(self) -> int:
         return int(self.lm_head.weight.shape[0])
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the target computes its hidden states in (that of its embedding rows)."""
+        return self.embed_tokens.weight.dtype
+
     def capture(self, layer_ids) -> None:
         for h in self._hooks:
             h.remove()
