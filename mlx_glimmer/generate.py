@@ -198,7 +198,8 @@ def stream_generate(
         policy=request.policy,
     )
     # On Metal the pair's weights stay wired while it generates (`memory.DeviceMemory`; nothing elsewhere).
-    with pair.target.memory.resident(getattr(pair.target, "model", None), getattr(request.drafter, "model", None)):
+    drafter_model = request.drafter.model if request.drafter is not None else None
+    with pair.target.memory.resident(pair.target.model, drafter_model):
         yield from chunks_from_steps(
             pair.tokenizer, steps, request.stats, settings.max_tokens, start, pair.target.peak_memory_gb
         )

@@ -451,8 +451,8 @@ class GenerationWorker:
         while the policy says a bigger batch pays."""
         target = self.pair.target
         stop_ids = set(self.pair.tokenizer.eos_token_ids)
-        drafter_model = getattr(self.pair.drafter, "model", None)
-        with target.memory.resident(getattr(target, "model", None), drafter_model):
+        drafter_model = self.pair.drafter.model if self.pair.drafter is not None else None
+        with target.memory.resident(target.model, drafter_model):
             while True:
                 n = self._waiting_batch_size() - 1
                 if n > 0 and len(batch) < self.batch.max_batch and self.policy.together(len(batch) + 1):
