@@ -127,8 +127,8 @@ def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> li
     """The target layers an `init` of "target" or "target:L1,L2,..." copies, in drafter layer order.
 
     Plain "target" takes the target's last `drafter_layers` layers: the layers that turn the deepest
-    features into next-token predictions, which is the drafter's job too (docs/distill.md has the probe
-    that chose them). A list shorter than the drafter grows it by identity layers."""
+    features into next-token predictions, which is the drafter's job too. A list shorter than the drafter
+    grows it by identity layers."""
     if init == "target":
         return list(range(max(0, target_layers - drafter_layers), target_layers))
     spec = init.removeprefix("target:")
