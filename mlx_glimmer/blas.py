@@ -185,13 +185,14 @@ def runs_here(choice: BlasChoice, cache: Path) -> bool:
     return works
 
 
+def first_that_runs(found: list[BlasChoice], cache: Path) -> BlasChoice | None:
+    return next((choice for choice in found if runs_here(choice, cache)), None)
+
+
 def find_openblas(cache: Path) -> BlasChoice | None:
     """The first OpenBLAS that runs on this machine, with what a fresh process needs to load it; None when none
     does (none installed, or each built for instructions this CPU lacks)."""
-    for choice in candidates(cache):
-        if runs_here(choice, cache):
-            return choice
-    return None
+    return first_that_runs(candidates(cache), cache)
 
 
 def preloaded() -> list[str]:
@@ -231,9 +232,10 @@ def reexec_env(cache: Path) -> dict | None:
     if os.environ.get(ENV) or any(is_fast(p) for p in preloaded()):
         check_fast_blas()
         return None
-    choice = find_openblas(cache)
+    found = candidates(cache)
+    choice = first_that_runs(found, cache)
     if choice is None:
-        rejected = [c.library for c in candidates(cache)]
+        rejected = [c.library for c in found]
         found = f"no OpenBLAS here runs on this CPU ({', '.join(rejected)})" if rejected else "no optimized BLAS found"
         warn_once(f"{found}: MLX runs on its slow reference BLAS (~10x slower on CPU). Fix: {FIX}")
         return None

@@ -15,7 +15,7 @@ from ..errors import GlimmerError
 from ..files import check_model_dir, pair_paths, read_config_json
 from ..flags import nonnegative_int, positive_float, positive_int, seed_arg, unit_float
 from ..paths import DATA_DIR
-from .step import TrainConfig
+from .step import TrainConfig, target_init_layers
 
 
 def draft_vocab_arg(text: str) -> int | str:
@@ -256,12 +256,12 @@ def check_distill_flags(args) -> None:
     if args.self_instruct and args.prompts != "synth":
         raise GlimmerError("distill: --self-instruct writes prompts for --prompts synth only")
     temperatures(args)
-    if args.init.startswith("target:"):
-        if not re.fullmatch(r"target:\d+(,\d+)*", args.init):
-            raise GlimmerError(f"distill: --init {args.init}: not 'target:' and comma-separated target layer numbers")
-        if len(args.init.split(",")) > args.layers:
-            raise GlimmerError(f"distill: --init {args.init}: names more layers than --layers {args.layers}")
-    elif args.init not in ("random", "target") and not (Path(args.init) / "model.safetensors").is_file():
+    # the layer range is checked against the target once its shape is known (`check_against_target`)
+    if (
+        target_start(args, sys.maxsize) is None
+        and args.init != "random"
+        and not (Path(args.init) / "model.safetensors").is_file()
+    ):
         raise GlimmerError(
             f"distill: --init {args.init}: neither 'random', 'target', 'target:L1,L2,...' nor a drafter "
             "directory (no model.safetensors there)"
@@ -281,6 +281,14 @@ def check_distill_flags(args) -> None:
         shape = target_shape(read_config_json(paths.target, "target"))
         if shape is not None:
             check_against_target(args, *shape)
+
+
+def target_start(args, target_layers: int) -> list[int] | None:
+    """The target layers `--init` starts the drafter from (None: it does not start from the target)."""
+    try:
+        return target_init_layers(args.init, target_layers, args.layers)
+    except GlimmerError as e:
+        raise GlimmerError(f"distill: {e}") from None
 
 
 def target_shape(config: dict) -> tuple[int, int] | None:
@@ -313,6 +321,7 @@ def check_against_target(args, vocab_size: int, num_layers: int) -> None:
         raise GlimmerError(
             f"distill: --layers must be in [1, {num_layers}] (the target's layer count), got {args.layers}"
         )
+    target_start(args, num_layers)
     if isinstance(args.draft_vocab, int) and args.draft_vocab > vocab_size:
         raise GlimmerError(
             f"distill: --draft-vocab must be in [1, {vocab_size}] (the target's vocabulary), got {args.draft_vocab}"

@@ -10,9 +10,12 @@ torch_step.TorchStep) share, so neither backend imports the trainer.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from ..errors import GlimmerError
 
 if TYPE_CHECKING:  # annotations only: the CLI reads TrainConfig's defaults without importing numpy
     import numpy as np
@@ -44,6 +47,26 @@ class TrainConfig:
     )
     soft_labels: float = 0.0  # weight of the target's next-token distribution in each label; 0: the answer's token
     context_scale: str = "raw"  # "raw" or "channel": train `fc` on features divided by each channel's RMS
+
+
+def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> list[int] | None:
+    """The target layers an `init` of "target" or "target:L1,L2,..." starts the drafter from, in drafter layer
+    order; None for any other init. Plain "target" takes the target's last `drafter_layers` layers: the layers
+    that turn the deepest features into next-token predictions, which is the drafter's job too. A list shorter
+    than the drafter grows it by identity layers."""
+    if init == "target":
+        return list(range(max(0, target_layers - drafter_layers), target_layers))
+    if not init.startswith("target:"):
+        return None
+    if not re.fullmatch(r"target:\d+(,\d+)*", init):
+        raise GlimmerError(f"--init {init}: not 'target:' and comma-separated target layer numbers")
+    ids = [int(part) for part in init.removeprefix("target:").split(",")]
+    bad = [i for i in ids if not i < target_layers]
+    if bad:
+        raise GlimmerError(f"--init {init}: layers {bad} out of range for a {target_layers}-layer target")
+    if len(ids) > drafter_layers:
+        raise GlimmerError(f"--init {init}: names {len(ids)} layers for a {drafter_layers}-layer drafter")
+    return ids
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

@@ -50,7 +50,7 @@ from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
 from .features import FeatureSource, FeatureStore
-from .step import Batch, TrainConfig, TrainStep, learning_rate
+from .step import Batch, TrainConfig, TrainStep, learning_rate, target_init_layers
 
 
 def drafter_config_for(
@@ -121,27 +121,6 @@ def draft_vocabulary(records: list[dict], mask_token_id: int, size: int | None) 
         emitted = emitted[np.argsort(-counts[emitted], kind="stable")[:size]]
     coverage = float(counts[emitted].sum() / max(counts.sum(), 1))
     return sorted(set(emitted.tolist()) | {mask_token_id}), coverage
-
-
-def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> list[int]:
-    """The target layers an `init` of "target" or "target:L1,L2,..." copies, in drafter layer order.
-
-    Plain "target" takes the target's last `drafter_layers` layers: the layers that turn the deepest
-    features into next-token predictions, which is the drafter's job too. A list shorter than the drafter
-    grows it by identity layers."""
-    if init == "target":
-        return list(range(max(0, target_layers - drafter_layers), target_layers))
-    spec = init.removeprefix("target:")
-    try:
-        ids = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise GlimmerError(f"--init {init}: not 'target:' and comma-separated target layer numbers") from None
-    bad = [i for i in ids if not 0 <= i < target_layers]
-    if bad:
-        raise GlimmerError(f"--init {init}: layers {bad} out of range for a {target_layers}-layer target")
-    if not 0 < len(ids) <= drafter_layers:
-        raise GlimmerError(f"--init {init}: names {len(ids)} layers for a {drafter_layers}-layer drafter")
-    return ids
 
 
 def float_weights(module: nn.Module) -> dict[str, mx.array]:
@@ -327,8 +306,8 @@ class Trainer:
     def initialise(self, init: str) -> None:
         if init == "random":
             return
-        if init == "target" or init.startswith("target:"):
-            ids = target_init_layers(init, self.target.num_layers, len(self.model.layers))
+        ids = target_init_layers(init, self.target.num_layers, len(self.model.layers))
+        if ids is not None:
             added = init_from_target(self.model, self.target, ids)
             grown = f", then {added} identity layers" if added else ""
             print(f"[init] drafter layers from the target's layers {ids}{grown}", file=self.log, flush=True)
