@@ -6,12 +6,16 @@ configuration. Interleaving keeps slow drift (thermals, other load) from
 favouring one method. Rates use one definition everywhere: tokens after the
 first / time from the first token to the last (prefill excluded).
 Greedy throughout, so every method must produce the same tokens; the run
-checks that and reports any difference. Every flag is checked (`check_bench_flags`)
-before MLX is imported and before the model loads.
+checks that and reports any difference. Each speculative method is a verify width
+and a draft-tree setting (`--block-sizes` x `--trees`), named `spec_b{width}_t{tree}`
+(`spec_bauto_tauto`, `spec_bauto_toff`, `spec_b16_toff`); a fixed width verifies chains
+under tree `auto`, so it runs as `off` (one method, not two). Every flag is checked
+(`check_bench_flags`) before MLX is imported and before the model loads.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -22,9 +26,9 @@ from pathlib import Path
 
 from .block_policy import chip_name, describe
 from .errors import GlimmerError
-from .flags import add_drafter_flags, nonnegative_int, positive_int
+from .flags import add_drafter_flags, nonnegative_int, positive_int, tree_arg
 from .paths import DATA_DIR
-from .settings import AUTO, GenerationSettings
+from .settings import AUTO, OFF, GenerationSettings
 
 
 @dataclass
@@ -38,6 +42,10 @@ class Measurement:
     mismatches: int = 0
     per_prompt_tokens_per_second: list[float] = field(default_factory=list)  # one per prompt and repeat
     divergences: list[dict] = field(default_factory=list)  # per mismatch: `divergence.explain_divergence`'s report
+    tokens_verified: int = 0  # over rounds after prefill: drafts offered (chain or tree nodes) + the anchor
+    tree_rounds: int = 0  # rounds that verified a draft tree
+    accepted_depths: list[int] = field(default_factory=list)  # drafts kept, per round
+    accepted_from: dict[str, int] = field(default_factory=dict)  # rounds by who proposed the accepted path
 
     @property
     def tokens_per_second(self) -> float:
@@ -47,6 +55,14 @@ class Measurement:
     def mean_acceptance(self) -> float:
         return sum(self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
 
+    @property
+    def mean_tokens_verified(self) -> float:
+        return self.tokens_verified / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def mean_accepted_depth(self) -> float:
+        return sum(self.accepted_depths) / len(self.accepted_depths) if self.accepted_depths else 0.0
+
     def add(self, tokens: int, decode_s: float, forwards: int = 0, acceptance=(), widths=()) -> None:
         self.tokens += tokens
         self.decode_s += decode_s
@@ -54,6 +70,37 @@ class Measurement:
         self.acceptance.extend(acceptance)
         self.widths.extend(widths)
         self.per_prompt_tokens_per_second.append(tokens / decode_s if decode_s > 0 else 0.0)
+
+    def add_rounds(self, stats) -> None:
+        """The draft-tree figures of one generation's `GenerationStats`."""
+        self.tokens_verified += stats.tokens_verified
+        self.tree_rounds += stats.tree_rounds
+        self.accepted_depths.extend(stats.accepted_depths)
+        for source, n in stats.accepted_from.items():
+            self.accepted_from[source] = self.accepted_from.get(source, 0) + n
+
+
+def method_name(width: int | str, tree: int | str) -> str:
+    return f"spec_b{width}_t{tree}"
+
+
+def spec_methods(block_sizes: list[int | str], trees: list[int | str]) -> list[str]:
+    """One speculative method per (width, tree); a fixed width verifies chains under tree "auto", so that pair
+    runs as tree "off" (listed once)."""
+    names = [method_name(b, OFF if b != AUTO and t == AUTO else t) for b in block_sizes for t in trees]
+    return list(dict.fromkeys(names))
+
+
+def method_settings(method: str, max_tokens: int) -> GenerationSettings:
+    """The settings a method name stands for: `plain`, or `spec_b{width}_t{tree}`."""
+    if method == "plain":
+        return GenerationSettings(max_tokens=max_tokens, speculative=False)
+    width, tree = method.removeprefix("spec_b").split("_t")
+    return GenerationSettings(
+        max_tokens=max_tokens,
+        block_size=width if width == AUTO else int(width),
+        tree=tree if tree in (AUTO, OFF) else int(tree),
+    )
 
 
 def median_speedup(method: list[float], plain: list[float]) -> float:
@@ -122,6 +169,7 @@ def run_bench(
     *,
     max_tokens: int,
     block_sizes: list[int | str],
+    trees: list[int | str] = (AUTO, OFF),
     repeats: int = 1,
     warmup: int = 1,
     baseline: bool = True,
@@ -135,13 +183,14 @@ def run_bench(
             "this bundle has no drafter: nothing speculative to measure (pass --drafter or --prompt-lookup)"
         )
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    methods = (["mlx_lm"] if baseline else []) + ["plain"] + [f"spec_b{b}" for b in block_sizes]
+    spec = spec_methods(block_sizes, trees)
+    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec
     results = {m: Measurement(m) for m in methods}
-    warm = GenerationSettings(max_tokens=16)
+    first_width = [m for m in spec if m.startswith(method_name(block_sizes[0], ""))] if spec else []
     for ids in encoded[:warmup]:
-        for b in block_sizes[:1]:
-            time_ours(pair, ids, warm.updated(block_size=b))
-        time_ours(pair, ids, warm.updated(speculative=False))
+        for m in first_width:  # the first width, each tree setting
+            time_ours(pair, ids, method_settings(m, 16))
+        time_ours(pair, ids, method_settings("plain", 16))
     for rep in range(repeats):
         for n, ids in enumerate(encoded):
             reference = None
@@ -150,16 +199,11 @@ def run_bench(
                     toks, dt = time_mlx_lm(pair, ids, max_tokens)
                     results[m].add(max(len(toks) - 1, 0), dt)
                 else:
-                    width = m.removeprefix("spec_b")
-                    settings = GenerationSettings(
-                        max_tokens=max_tokens,
-                        speculative=m != "plain",
-                        block_size=AUTO if width in (AUTO, "plain") else int(width),
-                    )
-                    toks, dt, stats = time_ours(pair, ids, settings)
+                    toks, dt, stats = time_ours(pair, ids, method_settings(m, max_tokens))
                     results[m].add(
                         max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths, stats.verify_widths
                     )
+                    results[m].add_rounds(stats)
                 if reference is None:
                     reference = toks
                 elif toks != reference[: len(toks)] and reference != toks[: len(reference)]:
@@ -177,11 +221,14 @@ def run_bench(
         "max_tokens": max_tokens,
         "prompts": len(encoded),
         "repeats": repeats,
+        "trees": list(trees),
         "results": {
             m: {
                 **asdict(r),
                 "tokens_per_second": r.tokens_per_second,
                 "mean_acceptance": r.mean_acceptance,
+                "mean_tokens_verified": r.mean_tokens_verified,
+                "mean_accepted_depth": r.mean_accepted_depth,
                 "median_speedup_over_plain": median_speedup(r.per_prompt_tokens_per_second, plain),
                 "verify_width_histogram": describe(r.widths),
             }
@@ -191,29 +238,35 @@ def run_bench(
 
 
 def format_table(report: dict) -> str:
+    """A row per method (plain, then each speculative one with its speed-up over plain), then mlx-lm's speed
+    and whether every output was the same."""
     res = report["results"]
     plain = res["plain"]["tokens_per_second"]
-    device = report["environment"]["device"]
+    env = report["environment"]
     lines = [
-        "| device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token |",
-        "|---|---|---|---|---|---|",
+        f"device {env['device']}, drafter {env['drafter_kind']}",
+        "| method | tok/s | speed-up | median speed-up | mean acceptance | verified/round | depth | trees | "
+        "target forwards/token |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, r in res.items():
-        if not m.startswith("spec_"):
+        if m != "plain" and not m.startswith("spec_"):
             continue
-        per_token = r["target_forwards"] / max(r["tokens"] + 0, 1)
+        per_token = r["target_forwards"] / max(r["tokens"], 1)
+        speedup = r["tokens_per_second"] / plain if plain else 0.0
+        median = 1.0 if m == "plain" else r["median_speedup_over_plain"]
+        rounds = len(r["acceptance"])
         lines.append(
-            f"| {device} [{report['environment']['drafter_kind']}, block {m[6:]}] | {plain:.1f} | {r['tokens_per_second']:.1f} | "
-            f"{r['tokens_per_second'] / plain:.2f}x | {r['mean_acceptance']:.2f} | {per_token:.3f} |"
+            f"| {m} | {r['tokens_per_second']:.1f} | {speedup:.2f}x | {median:.2f}x | {r['mean_acceptance']:.2f} | "
+            f"{r['mean_tokens_verified']:.1f} | {r['mean_accepted_depth']:.2f} | {r['tree_rounds']}/{rounds} | "
+            f"{per_token:.3f} |"
         )
-    medians = ", ".join(
-        f"block {m[6:]} {r['median_speedup_over_plain']:.2f}x" for m, r in res.items() if m.startswith("spec_")
-    )
-    if medians:
-        lines.append(f"\nmedian per-prompt speed-up over plain: {medians}")
     for m, r in res.items():
-        if m == "spec_bauto":
-            lines.append(f"\nauto verify widths (width: rounds): {r['verify_width_histogram']}")
+        if m.startswith(method_name(AUTO, "")):
+            lines.append(f"\n{m} verify widths (width: rounds): {r['verify_width_histogram']}")
+        if r.get("accepted_from"):
+            sources = ", ".join(f"{k} {n}" for k, n in sorted(r["accepted_from"].items()))
+            lines.append(f"{m} accepted paths from: {sources}")
     if "mlx_lm" in res:
         base = res["mlx_lm"]["tokens_per_second"]
         lines.append(
@@ -237,11 +290,14 @@ def divergence_report(
     pair, prompt: list[int], reference: list[int], tokens: list[int], method: str, index: int
 ) -> dict:
     """A mismatch against the first method's tokens: where, and both kernels' logit margins there (a 1-row step,
-    and a verify as wide as `method`'s, or the drafter's block for auto), so a near-tie reads as a tie."""
+    and a verify as wide as `method`'s: its width, the drafter's block for auto, N + 1 rows for a tree of N), so a
+    near-tie reads as a tie."""
     from .divergence import explain_divergence, mlx_dtype
 
-    width = method.removeprefix("spec_b")
-    width = int(width) if width.isdigit() else (pair.drafter.block_size if pair.drafter is not None else 16)
+    settings = method_settings(method, 1)
+    width = settings.block_size if not settings.auto else (pair.drafter.block_size if pair.drafter else 16)
+    if isinstance(settings.tree, int):  # a tree of N nodes verifies N + 1 rows
+        width = settings.tree + 1
     d = explain_divergence(
         pair.target, mlx_dtype(pair), prompt, reference, tokens, max(width, 2), pair.tokenizer.decode
     )
@@ -253,7 +309,8 @@ def add_bench_parser(sub) -> None:
         "bench",
         help="measure plain vs speculative tokens/s side by side",
         description="Plain vs speculative decoding on the same target, interleaved per prompt, greedy. Prints "
-        "`device | plain tok/s | speculative tok/s | speed-up | mean acceptance | target forwards/token` and writes JSON.",
+        "a row per method (plain, then each speculative width and tree setting: `method | tok/s | speed-up | median "
+        "speed-up | mean acceptance | verified/round | depth | trees | target forwards/token`) and writes JSON.",
     )
     p.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
     p.add_argument(
@@ -274,6 +331,13 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="comma-separated verify widths (whole numbers >= 1, capped at the drafter's block size) and/or "
         "'auto' (default: auto and the drafter's block size)",
+    )
+    p.add_argument(
+        "--trees",
+        default="auto,off",
+        help="comma-separated draft-tree settings, each 'auto', 'off' or a number of nodes (1 to 63); every "
+        "verify width runs once per setting, except that a fixed width runs 'auto' as 'off' (it verifies chains) "
+        "(default: auto,off)",
     )
     p.add_argument(
         "--sweep-block-size",
@@ -303,11 +367,21 @@ def block_sizes(args) -> list[int | str] | None:
     return list(dict.fromkeys(sizes))
 
 
+def tree_settings(args) -> list[int | str]:
+    """`--trees` as a list ('auto', 'off' and whole numbers of nodes)."""
+    try:
+        trees = [tree_arg(x) for x in args.trees.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise GlimmerError(f"bench: --trees: {args.trees!r}: each {e}") from None
+    return list(dict.fromkeys(trees))
+
+
 def check_bench_flags(args) -> None:
     """Every `bench` flag, before anything heavy is imported (the numbers are checked by their argparse types)."""
     from .files import check_pair_dirs
 
     block_sizes(args)
+    tree_settings(args)
     if args.sweep_block_size and args.block_sizes:
         raise GlimmerError("bench: --sweep-block-size and --block-sizes exclude each other")
     if not Path(args.prompts).is_file():
@@ -346,6 +420,7 @@ def cmd_bench(args, open_pair) -> int:
         prompts,
         max_tokens=max_tokens,
         block_sizes=sizes,
+        trees=tree_settings(args),
         repeats=args.repeats,
         warmup=args.warmup,
         baseline=not args.no_baseline,

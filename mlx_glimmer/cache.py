@@ -17,6 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_prompt_cache
 
+from .tree import attention_mask
+
 
 class WindowedKVCache(_BaseCache):
     step = 256
@@ -99,6 +101,50 @@ class WindowedKVCache(_BaseCache):
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+def stored_before_update(cache) -> int:
+    """How many cached positions the next `update_and_fetch` returns before the new ones."""
+    return cache._visible_before_update() if isinstance(cache, WindowedKVCache) else cache.offset
+
+
+class TreeCacheView:
+    """One layer's cache during a draft-tree verify (`target.Target.forward(tree=...)`), through the seams
+    mlx-lm's models already use: `make_mask` (asked by `create_attention_mask`) returns the tree's mask
+    (each position sees the cached ones within its window and its own ancestors), and `offset` (read for
+    RoPE) is one position per token, the anchor's plus the depth (`target.accept_token_positions` lets the
+    RoPE modules take it). K/V are written as for any verify: the tree's positions follow the cache in tree
+    order, and `keep_positions` leaves the accepted path's rows, in order, afterwards."""
+
+    def __init__(self, cache, tree):
+        self.cache, self.tree = cache, tree
+
+    @property
+    def offset(self):
+        return self.cache.offset + self.tree.depths
+
+    def update_and_fetch(self, keys, values):
+        return self.cache.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        window = window_size or (self.cache.window if isinstance(self.cache, WindowedKVCache) else None)
+        return attention_mask(self.tree, stored_before_update(self.cache), window)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def keep_positions(caches: list, positions: list[int], width: int) -> None:
+    """After a verify wrote `width` positions, keep `positions` of them (ascending indices into the verify)
+    as the newest entries, in order, and drop the rest: a tree round keeps its accepted path only."""
+    kept = len(positions)
+    if positions != list(range(kept)):
+        rows = mx.array(positions)
+        for c in caches:
+            base = (c.end if isinstance(c, WindowedKVCache) else c.offset) - width
+            c.keys[..., base : base + kept, :] = mx.take(c.keys, base + rows, axis=2)
+            c.values[..., base : base + kept, :] = mx.take(c.values, base + rows, axis=2)
+    trim_cache(caches, width - kept)
 
 
 def make_rollback_cache(model, reserve: int) -> list:

@@ -34,6 +34,11 @@ JSON_FIELDS = (
     "drafter_kind",
     "block_policy",
     "verify_width_histogram",
+    "tokens_verified",
+    "tree_rounds",
+    "accepted_depths",
+    "mean_accepted_depth",
+    "accepted_from",
 )
 
 

@@ -11,7 +11,16 @@ import argparse
 import math
 
 from .errors import GlimmerError
-from .settings import AUTO, MAX_DRAFT_K, SEED_BITS, SEED_LIMIT, GenerationSettings, SamplingError
+from .settings import (
+    AUTO,
+    MAX_DRAFT_K,
+    MAX_TREE_NODES,
+    OFF,
+    SEED_BITS,
+    SEED_LIMIT,
+    GenerationSettings,
+    SamplingError,
+)
 
 # The flag of each generation setting, by the setting's name (`GenerationSettings.of`'s keyword, the field a
 # sampling error names). Every command that takes these flags reads them through this table.
@@ -22,6 +31,7 @@ FLAG_OF = {
     "top_k": "--top-k",
     "seed": "--seed",
     "block_size": "--block-size",
+    "tree": "--tree",
     "speculative": "--no-spec",  # the flag turns it off
 }
 
@@ -96,6 +106,28 @@ def block_size_arg(text: str) -> int | str:
     return AUTO if text == AUTO else positive_int(text)
 
 
+def tree_arg(text: str) -> int | str:
+    """`--tree`: "auto", "off", or a whole number of nodes in [1, MAX_TREE_NODES]."""
+    word = text.strip().lower()
+    if word in (AUTO, OFF):
+        return word
+    try:
+        value = int(word)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_TREE_NODES:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto', 'off' or a whole number in [1, {MAX_TREE_NODES}], got {text!r}"
+        )
+    return value
+
+
+TREE_HELP = (
+    "draft trees: N nodes under the anchor (N + 1 tokens verified per target call), 'off' for chains only, "
+    "'auto' (default) lets the width policy choose a chain width or a tree budget each round; trees need a "
+    "block drafter (DFlash, DFlash2, DSpark); n-gram matches from the conversation join the tree as a branch"
+)
+
 draft_k_arg = bounded_int(1, MAX_DRAFT_K)
 
 
@@ -106,7 +138,7 @@ def add_sampling_flags(
     seed: bool = True,
     what: str = "",
 ) -> None:
-    """--max-tokens --temp --top-p --top-k [--seed] --block-size --no-spec; help shows `defaults`.
+    """--max-tokens --temp --top-p --top-k [--seed] --block-size --tree --no-spec; help shows `defaults`.
     `what`: whose setting it is in the help ("a request's " for serve's defaults)."""
     s = defaults.sampling
     p.add_argument(
@@ -143,6 +175,13 @@ def add_sampling_flags(
         "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
         "drafting does not pay; N fixes it, capped at the drafter's block size (DFlash: its trained block, "
         "16 for the demo drafter; a draft model or prompt lookup: --draft-k + 1)",
+    )
+    p.add_argument(
+        FLAG_OF["tree"],
+        type=tree_arg,
+        default=defaults.tree,
+        metavar="auto|off|N",
+        help=TREE_HELP,
     )
     p.add_argument(
         FLAG_OF["speculative"], action="store_true", help="plain decoding with the target alone (the baseline)"

@@ -11,6 +11,12 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
     prefill_tokens_per_second   prompt tokens / prefill time
     decode_tokens_per_second    tokens after the first / time from first token to last
     acceptance_lengths[i]       tokens committed by target call i after prefill
+    tokens_verified             tokens the target verified after prefill: drafts (chain or tree nodes) + the
+                                anchor, summed over rounds
+    accepted_depths[i]          drafts kept by target call i (the accepted path's depth in a tree)
+    tree_rounds                 target calls that verified a draft tree rather than a chain
+    accepted_from               rounds by who proposed the accepted path: "model", "lookup" (n-gram
+                                matches) or "both" (shared nodes); rounds that kept no draft are not counted
     peak_memory_gb              MLX's peak; on torch CUDA's peak allocation, MPS's driver allocation,
                                 or on CPU the process's peak resident size
 On torch the device is synchronised at every step, so times are wall-clock for finished work.
@@ -70,12 +76,26 @@ class GenerationStats:
     verify_widths: list[int] = field(default_factory=list)  # per target call after prefill: drafts offered + 1
     draft_s: float = 0.0
     verify_s: float = 0.0
+    tree_rounds: int = 0  # target calls after prefill that verified a draft tree
+    tokens_verified: int = 0  # over target calls after prefill: drafts offered (chain or tree nodes) + 1
+    accepted_depths: list[int] = field(default_factory=list)  # per target call after prefill: drafts kept
+    accepted_from: dict[str, int] = field(default_factory=dict)  # rounds by source of the accepted path
 
     @property
     def mean_acceptance(self) -> float:
         if not self.acceptance_lengths:
             return 0.0
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def mean_accepted_depth(self) -> float:
+        """Drafts kept per round (the accepted path's depth)."""
+        return sum(self.accepted_depths) / len(self.accepted_depths) if self.accepted_depths else 0.0
+
+    @property
+    def mean_tokens_verified(self) -> float:
+        """Tokens the target verified per round (drafts + the anchor)."""
+        return self.tokens_verified / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def verify_width_histogram(self) -> dict[str, int]:
@@ -97,7 +117,19 @@ class GenerationStats:
         d = asdict(self)
         d["mean_acceptance"] = self.mean_acceptance
         d["verify_width_histogram"] = self.verify_width_histogram
+        d["mean_accepted_depth"] = self.mean_accepted_depth
+        d["mean_tokens_verified"] = self.mean_tokens_verified
         return d
+
+    def snapshot(self) -> GenerationStats:
+        """A copy whose lists and dicts are its own (the figures of this moment)."""
+        return replace(
+            self,
+            acceptance_lengths=list(self.acceptance_lengths),
+            verify_widths=list(self.verify_widths),
+            accepted_depths=list(self.accepted_depths),
+            accepted_from=dict(self.accepted_from),
+        )
 
 
 @dataclass
@@ -161,15 +193,16 @@ def stream_generate(
     block_size: int | str | None = None,
     seed: int | None = None,
     speculative: bool | None = None,
+    tree: int | str | None = None,
     chat_template_kwargs: dict | None = None,
     state: DecodeState | None = None,
 ) -> Iterator[GenerationChunk]:
     """Yield text as tokens are committed, with running stats. `pair`: from `load` or `torch_backend.load_torch`.
 
     How to generate is `settings` (a `GenerationSettings`; default: greedy, 256 tokens, block size "auto",
-    speculative, seed 0); a keyword given here replaces its field (None leaves it). Pass the same `state`
-    (a `DecodeState`) on every turn of a conversation to keep its KV cache and drafter context: each turn
-    then prefills only the tokens its prompt adds to what is already cached.
+    tree "auto", speculative, seed 0); a keyword given here replaces its field (None leaves it). Pass the same
+    `state` (a `DecodeState`) on every turn of a conversation to keep its KV cache and drafter context: each
+    turn then prefills only the tokens its prompt adds to what is already cached.
 
     Every argument is checked before anything runs (a `GlimmerError` naming it); `ttft_s` counts from this
     call, so it includes a first `auto` run's verify-cost measurement.
@@ -185,6 +218,7 @@ def stream_generate(
         block_size=block_size,
         seed=seed,
         speculative=speculative,
+        tree=tree,
     )
     pair.target.reset_peak_memory()
     request = prepare_request(pair, prompt, settings, chat_template_kwargs)
@@ -316,6 +350,7 @@ def _chunks(
             stats.verify_widths.append(step.drafted + 1)
             stats.draft_s += step.draft_s
             stats.verify_s += step.verify_s
+            count_round(stats, step)
         stats.tally(stats.generated_tokens + len(new), first_at, now, stopped=step.stopped, max_tokens=max_tokens)
         stats.peak_memory_gb = peak_memory_gb()
         for t in new:
@@ -323,13 +358,19 @@ def _chunks(
         if stats.finish_reason is not None:
             detok.finalize()
         # A snapshot: chunks kept by the caller keep the figures of their moment.
-        yield GenerationChunk(
-            detok.last_segment,
-            new,
-            replace(stats, acceptance_lengths=list(stats.acceptance_lengths), verify_widths=list(stats.verify_widths)),
-        )
+        yield GenerationChunk(detok.last_segment, new, stats.snapshot())
     if stats.finish_reason is None:  # max_tokens == 0
         stats.finish_reason = "length"
+
+
+def count_round(stats: GenerationStats, step) -> None:
+    """A round's tree figures from its `Step`: tokens verified, drafts kept, a tree or a chain, and who proposed
+    the accepted path."""
+    stats.tokens_verified += step.drafted + 1
+    stats.accepted_depths.append(step.accepted)
+    stats.tree_rounds += bool(step.tree)
+    if step.source:
+        stats.accepted_from[step.source] = stats.accepted_from.get(step.source, 0) + 1
 
 
 def collect(

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from .errors import GlimmerError
 
 AUTO = "auto"  # a verify width chosen every round (`block_policy.py`)
+OFF = "off"  # `tree`: chains only
+MAX_TREE_NODES = 63  # most draft-tree nodes under the anchor (`--tree N`): 64 tokens verified at most
 SEED_BITS = 63  # seeds are integers in [0, 2**63): what MLX's and torch's generators both take
 SEED_LIMIT = 2**SEED_BITS
 SEED_RULE = f"must be a whole number in [0, 2**{SEED_BITS})"
@@ -70,19 +72,27 @@ class GenerationSettings:
     """`sampling`: temperature (0 = greedy), top-p, top-k. `max_tokens`: at least 1. `block_size`: the verify
     width (drafted tokens + the anchor): "auto" chooses it every round from measured verify cost and live
     acceptance, up to the drafter's block size (`block_policy.py`); an int fixes it, and one wider than the
-    drafter can fill is capped at that. `speculative=False` decodes with the target alone (the baseline).
-    `seed` seeds sampling: an integer in [0, SEED_LIMIT)."""
+    drafter can fill is capped at that. `tree`: draft trees (`tree.py`) from a block drafter's per-position
+    distributions, merged with n-gram matches from the context: "auto" lets the width policy choose a chain or a
+    tree budget each round (when `block_size` is "auto" too; a fixed `block_size` verifies chains of that
+    width); N (1..MAX_TREE_NODES) verifies N nodes under the anchor every round (N + 1 tokens); "off" verifies
+    chains only. `speculative=False` decodes with the target alone (the baseline). `seed` seeds sampling: an
+    integer in [0, SEED_LIMIT)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     block_size: int | str = AUTO
     speculative: bool = True
     seed: int = 0
+    tree: int | str = AUTO
 
     def __post_init__(self):
         b = self.block_size
         if b != AUTO and not (_whole(b) and b >= 1):
             raise SamplingError("block_size", "must be 'auto' or a whole number >= 1", b)
+        t = self.tree
+        if t not in (AUTO, OFF) and not (_whole(t) and 1 <= t <= MAX_TREE_NODES):
+            raise SamplingError("tree", f"must be 'auto', 'off' or a whole number in [1, {MAX_TREE_NODES}]", t)
         if not (_whole(self.max_tokens) and self.max_tokens >= 1):
             raise SamplingError("max_tokens", "must be a whole number >= 1", self.max_tokens)
         if not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):

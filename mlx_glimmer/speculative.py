@@ -26,9 +26,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .block_policy import WidthPolicy
 from .drafters.base import Drafter
+from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import GlimmerError
 from .sampling import pick
-from .settings import GenerationSettings, SamplingParams
+from .settings import OFF, GenerationSettings, SamplingParams
+from .tree import SOURCE_NAMES, DraftTree
 
 Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
 
@@ -44,12 +46,24 @@ class SamplingOps(Protocol):
     def sampled_verdict(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> Array: ...
 
 
+class TreeOps(Protocol):
+    """One array library's draft-tree module (`mlx_glimmer.tree`): builds, judges and reads trees."""
+
+    def chain(self, tokens: Array) -> DraftTree: ...
+    def merged_tree(self, log_probs: Array, budget: int, lookup: list[int], vocab: Array | None) -> DraftTree: ...
+    def verdict(self, tree: DraftTree, logits: Array, params: SamplingParams, key: Any) -> Array: ...
+    def chain_verdict(self, tree: DraftTree, judged: Array) -> Array: ...
+    def read_path(self, values: list[int], size: int) -> Any: ...  # a `tree.Path`
+
+
 class TargetModel(Protocol):
     """The target on one array library (`target.Target`, `torch_backend.target.TorchTarget`):
     all that the loop needs and that differs between libraries.
 
     forward(tokens, cache, capture)  tokens [L] -> final hidden states [L, H] and, with capture, the
-                                     outputs of the layers named by `capture(layer_ids)` [L, k*H] (else None)
+                                     outputs of the layers named by `capture(layer_ids)` [L, k*H] (else None);
+                                     with `tree`, [anchor, nodes] attending to their ancestors only
+    keep(cache, positions, width)    after a verify of `width`, keep `positions` of it in order (a tree's path)
     head(hidden)                     logits [L, V] as the model's own forward computes them
     make_cache(reserve)              a KV cache that rolls back at least `reserve` tokens at any length
     trim(cache, n)                   forget the last n positions (n <= 0: nothing)
@@ -66,6 +80,7 @@ class TargetModel(Protocol):
     """
 
     sampling: SamplingOps
+    trees: TreeOps
     lazy: bool
     memory: Any
     model: Any  # the library's own model: its weights stay resident while it generates
@@ -80,11 +95,14 @@ class TargetModel(Protocol):
     def activation_dtype(self) -> Any: ...  # the dtype of its hidden states (a drafter's weights take it)
 
     def capture(self, layer_ids: Sequence[int]) -> None: ...
-    def forward(self, tokens: Array, cache: Any, capture: bool) -> tuple[Array, Array | None]: ...
+    def forward(
+        self, tokens: Array, cache: Any, capture: bool, tree: DraftTree | None = None
+    ) -> tuple[Array, Array | None]: ...
     def head(self, hidden: Array) -> Array: ...
     def make_cache(self, reserve: int) -> Any: ...
     def can_trim(self, cache: Any, n: int) -> bool: ...
     def trim(self, cache: Any, n: int) -> None: ...
+    def keep(self, cache: Any, positions: list[int], width: int) -> None: ...  # after a verify: keep those, in order
     def tokens(self, ids: Sequence[int] | Array) -> Array: ...  # token ids as this library's array
     def new_key(self, seed: int) -> Any: ...
     def split(self, key: Any, n: int) -> tuple: ...
@@ -110,7 +128,10 @@ def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, para
 @dataclass
 class Step:
     tokens: list[int]  # committed by this target call, ending at a stop token if one came
-    drafted: int = 0  # draft tokens offered to this verification
+    drafted: int = 0  # draft tokens (chain drafts or tree nodes) offered to this verification: drafted + 1 verified
+    accepted: int = 0  # drafts kept: the accepted path's depth
+    tree: bool = False  # the drafts formed a tree (else a chain)
+    source: str = ""  # who proposed the accepted path: "model", "lookup", "both" (nodes shared); "" if none kept
     # Host seconds spent proposing and launching the draft; the rest of the round (from the previous host read
     # to this one) is verify_s. The draft's device time runs in the same queued graph as the verify, so it
     # lands in verify_s: timing them apart would cost a second blocking sync per round.
@@ -191,16 +212,38 @@ def _resume(
     return 0
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What one round verifies: `width` tokens (the anchor and width - 1 drafts), as a draft tree built from
+    the drafter's per-position distributions merged with the n-gram lookup (`tree`), or as a chain."""
+
+    width: int
+    tree: bool = False
+
+
 @dataclass
 class _Round:
     """One target call queued on the device: what it verifies and what it will return (nothing read yet)."""
 
-    width: int  # tokens verified: the anchor and width - 1 drafts
-    draft: Array  # [width - 1] token ids
+    shape: Shape
+    draft: DraftTree  # the drafts (a chain is a tree too), on the device
     feats: Array | None  # captured target features [width, k*H]
-    verdict: Array  # [accepted drafts, next token]
+    verdict: Array  # `tree.verdict`'s form: [depth, next token, path marks, sources]
     draft_s: float  # host seconds spent proposing and launching the draft
     timed: bool  # its time can feed the width policy (the draft did not project a long backlog)
+
+    @property
+    def width(self) -> int:
+        return self.draft.size + 1
+
+
+@dataclass
+class _Proposers:
+    """Who drafts: the drafter, and with trees the n-gram index over the prompt and the answer so far."""
+
+    drafter: Drafter
+    lookup: PromptLookupDrafter | None
+    depth: int  # the deepest draft the drafter proposes (its block minus the anchor)
 
 
 def generate_steps(
@@ -217,19 +260,22 @@ def generate_steps(
     """One `Step` per target call, generating as `settings` say. With a drafter (and `settings.speculative`)
     the verify width (drafts + anchor) is `settings.block_size`, or under "auto" the drafter's block size; with
     a `policy` (`block_policy.WidthPolicy`) each round's width is the policy's choice, and width 1 is a plain
-    step (no drafter call). Without a drafter every step is a plain one."""
+    step (no drafter call). `settings.tree` N verifies a draft tree of N nodes every round instead, where the
+    drafter has per-position distributions (`Drafter.marginals`). Without a drafter every step is a plain one."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     prompt = list(prompt)
     drafter = drafter if settings.speculative else None
     block_size = 1 if drafter is None else drafter.block_size if settings.auto else settings.block_size
+    trees = drafter is not None and settings.tree != OFF and drafter.has_marginals
+    widest = max(block_size, settings.tree + 1 if trees and isinstance(settings.tree, int) else 1)
     params, max_tokens = settings.sampling, settings.max_tokens
     stop = set(int(t) for t in stop_ids)
     capture = drafter is not None and bool(drafter.target_layer_ids)
     if drafter is not None:
         target.capture(drafter.target_layer_ids)
     state = state if state is not None else DecodeState()
-    done = _resume(state, target, prompt, drafter, block_size)
+    done = _resume(state, target, prompt, drafter, widest)
     state.owner = owner = object()
     state.reused_tokens = done
     cache = state.cache
@@ -265,42 +311,71 @@ def generate_steps(
     if drafter is None:
         yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop)
         return
+    lookup = None
+    if trees:
+        lookup = PromptLookupDrafter(draft_k=drafter.block_size - 1, min_ngram=LOOKUP_MIN_NGRAM)
+        lookup.observe(prompt, None)
     settings = replace(settings, block_size=block_size)
-    yield from _speculative_steps(target, state, owner, drafter, first, settings, key, stop, policy)
+    proposers = _Proposers(drafter, lookup, drafter.block_size - 1)
+    yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
+
+
+# The shortest n-gram of the context that puts its continuation into a draft tree: single tokens match
+# everywhere in prose, and a branch that is rarely right takes budget from the model's nodes.
+LOOKUP_MIN_NGRAM = 2
+
+
+def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, depth: int, params, key):
+    """The round's drafts on the device: a tree (the drafter's best prefixes and the lookup's branch) or a
+    chain; and the chain's draft distributions (None: a tree, or drafted deterministically)."""
+    if shape.tree:
+        budget = shape.width - 1
+        found = proposers.lookup.indexed_lookup(anchor, min(depth, budget // 2)) if proposers.lookup else []
+        marginals = proposers.drafter.marginals(anchor, depth)
+        return target.trees.merged_tree(marginals.log_probs, budget, found, marginals.vocab), None
+    draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, key)
+    return target.trees.chain(target.tokens(draft)), draft_probs
 
 
 def _launch(
     target: TargetModel,
-    drafter: Drafter,
+    proposers: _Proposers,
     cache,
     capture: bool,
     params: SamplingParams,
     keys: tuple,
     anchor: int | None,
     anchor_ids: Array,
-    width: int,
+    shape: Shape,
     block_size: int,
+    remaining: int,
 ) -> _Round:
     """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict. `keys`: the
-    draft's and the verdict's random keys (None when greedy)."""
+    draft's and the verdict's random keys (None when greedy); `remaining`: tokens still to generate."""
     k_draft, k_accept = keys
     tic = time.perf_counter()
-    draft, draft_probs, timed = target.tokens([]), None, True
+    draft, draft_probs, timed = target.trees.chain(target.tokens([])), None, True
     inputs = anchor_ids
-    if width > 1:
+    depth = min(proposers.depth, remaining - 1)
+    if shape.width > 1 and depth > 0:
         # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
         # this round's time unrepresentative: the policy then learns only its acceptance.
-        timed = drafter.backlog <= block_size
+        timed = proposers.drafter.backlog <= block_size
         # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-        draft, draft_probs = drafter.propose(anchor, width - 1, params, k_draft)
-        draft = target.tokens(draft)
-        target.launch(draft, draft_probs)
-        inputs = target.join(anchor_ids, draft)
+        draft, draft_probs = _draft(target, proposers, anchor, shape, depth, params, k_draft)
+        target.launch(draft.tokens, draft_probs)
+        inputs = target.join(anchor_ids, draft.tokens)
     draft_s = time.perf_counter() - tic
-    hidden, feats = target.forward(inputs, cache, capture)
-    verdict = _verdict(target, target.head(hidden), draft, draft_probs, params, k_accept)
+    hidden, feats = target.forward(inputs, cache, capture, None if draft.chain else draft)
+    logits = target.head(hidden)
+    if draft.chain and not params.greedy:  # a chain keeps rejection sampling: it accepts more than a walk
+        ops = target.sampling
+        judged = ops.sampled_verdict(draft.tokens, draft_probs, ops.probabilities(logits, params), k_accept)
+        verdict = target.trees.chain_verdict(draft, judged)
+    else:
+        verdict = target.trees.verdict(draft, logits, params, k_accept)
     target.launch(verdict)
-    return _Round(draft.shape[0] + 1, draft, feats, verdict, draft_s, timed)
+    return _Round(shape, draft, feats, verdict, draft_s, timed)
 
 
 def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
@@ -314,32 +389,63 @@ def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
 
 
 def _commit(
-    target: TargetModel, state: DecodeState, drafter: Drafter, rnd: _Round, anchor: int, values: list[int], stop: set
-) -> tuple[list[int], bool]:
-    """The tokens a read round commits (`values`: its verdict, then its draft), up to the first stop token, and
-    whether one came. The target processed [anchor] + drafts; all after [anchor] + committed[:-1] is rolled
-    back, and that much is what the drafter observes and `state.processed` gains."""
-    accepted, nxt = values[0], values[1]
-    committed = values[2 : 2 + accepted] + [nxt]
+    target: TargetModel, state: DecodeState, proposers: _Proposers, rnd: _Round, anchor: int, values: list, stop: set
+) -> tuple[Step, int]:
+    """The step a read round commits (`values`: its verdict, then its drafts), up to the first stop token,
+    and the accepted path's depth. The target processed [anchor] + drafts; the accepted path's first
+    len(committed) positions stay in its cache, in order, and the rest goes; that much is what the
+    drafters observe and `state.processed` gains."""
+    size = rnd.draft.size
+    path = target.trees.read_path(values, size)
+    drafts = values[3 + 2 * size :]
+    committed = [drafts[i - 1] for i in path.positions[1:]] + [path.next_token]
     stopped = False
     for i, t in enumerate(committed):
         if t in stop:
             committed, stopped = committed[: i + 1], True
             break
     m = len(committed)
-    if rnd.width > m:  # never with a round queued behind this one: that only follows width 1
-        target.trim(state.cache, rnd.width - m)
+    kept = path.positions[:m]
+    target.keep(state.cache, kept, rnd.width)  # never with a round queued behind this one: that only follows width 1
     processed = [anchor] + committed[:-1]
-    drafter.observe(processed, rnd.feats[:m] if rnd.feats is not None else None)
+    feats = rnd.feats
+    if feats is not None:
+        feats = feats[:m] if kept[-1] == m - 1 else feats[target.tokens(kept)]
+    proposers.drafter.observe(processed, feats)
+    if proposers.lookup is not None:
+        proposers.lookup.observe(processed, None)
     state.processed.extend(processed)
-    return committed, stopped
+    step = Step(
+        committed,
+        drafted=size,
+        accepted=m - 1,
+        tree=rnd.shape.tree,
+        source=SOURCE_NAMES.get(path.sources[m - 2], "") if m > 1 else "",
+        draft_s=rnd.draft_s,
+        stopped=stopped,
+    )
+    return step, path.depth
+
+
+def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: WidthPolicy | None):
+    """(context, tokens generated) -> the next round's `Shape`: a fixed tree, the policy's choice, or a chain of
+    `settings.block_size` (a number here), never wider than the tokens still to generate."""
+    fixed_tree = Shape(settings.tree + 1, tree=True) if proposers.lookup and isinstance(settings.tree, int) else None
+
+    def shape_for(context: int, generated: int) -> Shape:
+        left = settings.max_tokens - generated
+        if fixed_tree is not None:
+            return fixed_tree if left > 1 else Shape(1)
+        return Shape(min(policy.choose(context) if policy is not None else settings.block_size, left))
+
+    return shape_for
 
 
 def _speculative_steps(
     target: TargetModel,
     state: DecodeState,
     owner,
-    drafter: Drafter,
+    proposers: _Proposers,
     anchor: int,
     settings: GenerationSettings,
     key,
@@ -349,63 +455,59 @@ def _speculative_steps(
     """The rounds after the first token: one host read each, the next round queued before the caller sees
     this one (on a lazy library), width-1 rounds queued one ahead. `state.ahead` counts the cache entries of
     queued rounds, undone when this generator is closed (or by the next generation on the state).
-    `settings.block_size` is the widest verify, a number."""
+    `settings.block_size` is the widest chain verify, a number."""
     cache, params, max_tokens, block_size = state.cache, settings.sampling, settings.max_tokens, settings.block_size
+    drafter = proposers.drafter
     capture, keys = bool(drafter.target_layer_ids), _round_keys(target, key, params.greedy)
-    generated = 1
+    shape_for, generated = _shape_chooser(settings, proposers, policy), 1
 
-    def width_for(context: int, committed: int) -> int:
-        return min(policy.choose(context) if policy is not None else block_size, max_tokens - committed)
-
-    def launch(anchor: int | None, anchor_ids: Array, width: int) -> _Round:
-        rnd = _launch(target, drafter, cache, capture, params, next(keys), anchor, anchor_ids, width, block_size)
+    def launch(anchor: int | None, anchor_ids: Array, shape: Shape, committed: int) -> _Round:
+        rnd = _launch(
+            target, proposers, cache, capture, params, next(keys), anchor, anchor_ids, shape, block_size,
+            max_tokens - committed,
+        )  # fmt: skip
         state.ahead += rnd.width  # its forward sits in the cache past `state.processed`
         return rnd
 
     queued: _Round | None = None  # the next round, already on the device
-    planned: int | None = None  # the next round's width, chosen before this round was read
+    planned: Shape | None = None  # the next round's shape, chosen before this round was read
     last_read = time.perf_counter()
     try:
         while generated < max_tokens:
             context = len(state.processed) + 1  # positions the current round's anchor sits after, plus one
             if queued is None:
-                width = planned if planned is not None else width_for(context, generated)
+                shape = planned if planned is not None else shape_for(context, generated)
                 planned = None
-                queued = launch(anchor, target.tokens([anchor]), width)
+                queued = launch(anchor, target.tokens([anchor]), shape, generated)
             rnd, queued = queued, None
             if rnd.width == 1 and generated + 1 < max_tokens:
-                # Plain round: choose the next width now; if it is plain too, queue its forward on this
+                # Plain round: choose the next shape now; if it is plain too, queue its forward on this
                 # round's (unread) token before reading, as `_plain_steps` does.
-                planned = width_for(context + 1, generated + 1)
-                if planned == 1:
+                planned = shape_for(context + 1, generated + 1)
+                if planned.width == 1:
                     planned = None
-                    queued = launch(None, rnd.verdict[1:], 1)
-            values = target.read(rnd.verdict, rnd.draft)
+                    queued = launch(None, rnd.verdict[1:2], Shape(1), generated + 1)
+            values = target.read(rnd.verdict, rnd.draft.tokens)
             now = time.perf_counter()
-            committed, stopped = _commit(target, state, drafter, rnd, anchor, values, stop)
+            step, depth = _commit(target, state, proposers, rnd, anchor, values, stop)
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
-                policy.observe_round(rnd.width, values[0], context, now - last_read, rnd.timed)
-            round_s, last_read = now - last_read, now
+                policy.observe_round(rnd.width, depth, context, now - last_read, rnd.timed)
+            step.verify_s, last_read = max(now - last_read - rnd.draft_s, 0.0), now
+            committed = step.tokens
             target.memory.tick(generated, generated + len(committed))
             generated += len(committed)
             anchor = committed[-1]
-            if not stopped and generated < max_tokens and queued is None and target.lazy:
+            if not step.stopped and generated < max_tokens and queued is None and target.lazy:
                 # Queue the next round before handing this one over. Only where work is lazy: torch computes a
                 # draft the moment it is asked for, and its drafter could then no longer roll this round back.
-                width = planned if planned is not None else width_for(len(state.processed) + 1, generated)
+                shape = planned if planned is not None else shape_for(len(state.processed) + 1, generated)
                 planned = None
-                queued = launch(anchor, target.tokens([anchor]), width)
+                queued = launch(anchor, target.tokens([anchor]), shape, generated)
             if (queued is None or queued.width == 1) and drafter.backlog >= block_size:
                 target.launch(*drafter.settle())  # plain rounds: project their context in batches, off the read
-            yield Step(
-                committed,
-                drafted=rnd.width - 1,
-                draft_s=rnd.draft_s,
-                verify_s=max(round_s - rnd.draft_s, 0.0),
-                stopped=stopped,
-            )
-            if stopped:
+            yield step
+            if step.stopped:
                 return
     finally:
         if state.owner is owner and state.ahead:  # queued rounds' forwards ran ahead: undo them

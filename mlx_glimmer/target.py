@@ -19,7 +19,8 @@ import mlx.nn as nn
 import numpy as np
 
 from . import sampling as mlx_sampling
-from .cache import make_rollback_cache, trim_cache
+from . import tree as mlx_tree
+from .cache import TreeCacheView, keep_positions, make_rollback_cache, trim_cache
 from .memory import DeviceMemory
 
 
@@ -82,6 +83,34 @@ def capture_layers(model: nn.Module, layer_ids: tuple[int, ...]) -> FeatureRecor
         object.__setattr__(layer, "_glimmer_recorder", recorder)
         object.__setattr__(layer, "_glimmer_layer_id", i)
     return recorder
+
+
+_positional_classes: dict[type, type] = {}
+
+
+def _positional_class(cls: type) -> type:
+    """`cls` (a RoPE module) that also takes one position per token: mx.fast.rope takes a scalar offset or
+    one per batch row, so a tree's positions [L] rotate [1, H, L, D] with its tokens moved into the batch
+    axis and back."""
+    if cls not in _positional_classes:
+
+        def __call__(self, x, offset=0):
+            if isinstance(offset, mx.array) and offset.ndim == 1 and x.shape[0] == 1 and offset.size == x.shape[-2] > 1:
+                return cls.__call__(self, x.swapaxes(0, -2), offset=offset).swapaxes(0, -2)
+            return cls.__call__(self, x, offset=offset)
+
+        _positional_classes[cls] = type(f"Positional{cls.__name__}", (cls,), {"__call__": __call__})
+    return _positional_classes[cls]
+
+
+def accept_token_positions(model: nn.Module) -> None:
+    """Let every attention's RoPE take per-token positions (a tree verify's anchor + depth). mlx-lm's
+    attentions rotate with `self.rope(x, offset=cache.offset)`; during a tree verify that offset is a
+    vector (`cache.TreeCacheView`)."""
+    for layer in decoder_layers(model):
+        rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+        if isinstance(rope, nn.Module) and type(rope) not in _positional_classes.values():
+            rope.__class__ = _positional_class(type(rope))
 
 
 def output_head(project: Callable, multiplier: float | None, cap: float | None, tanh: Callable) -> Callable:
@@ -159,11 +188,13 @@ class Target:
     head: Callable[[mx.array], mx.array] = field(init=False)
     memory: DeviceMemory = field(default_factory=DeviceMemory)  # wired/cache limits, clear_cache (Metal only)
     sampling = mlx_sampling
+    trees = mlx_tree
     lazy = True  # work is queued and runs on `launch` / `read`: the loop queues its next round before yielding
 
     def __post_init__(self):
         self.recorder = FeatureRecorder(())
         self.head = make_head(self.model)
+        accept_token_positions(self.model)
 
     @property
     def args(self):
@@ -210,6 +241,10 @@ class Target:
     def trim(self, cache: list, n: int) -> None:
         trim_cache(cache, n)
 
+    def keep(self, cache: list, positions: list[int], width: int) -> None:
+        """After a verify of `width` positions, keep `positions` of them (ascending) in order; drop the rest."""
+        keep_positions(cache, positions, width)
+
     def tokens(self, ids) -> mx.array:
         return ids.astype(mx.uint32) if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.uint32)
 
@@ -247,9 +282,15 @@ class Target:
         hidden, _ = self.forward(self.tokens(tokens), self.make_cache(reserve=16), capture=False)
         return np.array(self.head(hidden[-1:]).astype(mx.float32))[0]
 
-    def forward(self, tokens: mx.array, cache: list, capture: bool) -> tuple[mx.array, mx.array | None]:
-        """Run `tokens` (shape [L]) through the decoder; return final hidden states [L, H] and features."""
+    def forward(
+        self, tokens: mx.array, cache: list, capture: bool, tree: mlx_tree.DraftTree | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Run `tokens` (shape [L]) through the decoder; return final hidden states [L, H] and features. With
+        `tree`, `tokens` are [anchor, nodes] and each attends to the cache and its ancestors only, at the
+        anchor's position plus its depth."""
         self.recorder.active = capture and bool(self.recorder.layer_ids)
+        if tree is not None:
+            cache = [TreeCacheView(c, tree) for c in cache]
         hidden = self.model.model(tokens[None], cache=cache)[0]
         features = self.recorder.features()
         return hidden, (features[0] if features is not None else None)

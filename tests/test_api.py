@@ -1,9 +1,13 @@
 """The Python API: prompts in three forms, streaming with running stats."""
 
+import time
+
 import pytest
 
 import mlx_glimmer
 from mlx_glimmer import GlimmerError
+from mlx_glimmer.generate import GenerationStats, chunks_from_steps
+from mlx_glimmer.speculative import Step
 
 
 def test_stream_generate_yields_segments_that_add_up_to_generate(muse_pair):
@@ -37,6 +41,8 @@ def test_prompt_forms(muse_pair):
         ("hi", {"temperature": -1}),
         ("hi", {"top_p": 0}),
         ("hi", {"block_size": 0}),
+        ("hi", {"tree": 0}),
+        ("hi", {"tree": "wide"}),
     ],
 )
 def test_bad_arguments_raise_glimmer_error(muse_pair, prompt, kwargs):
@@ -72,8 +78,74 @@ def test_one_settings_value_or_the_keywords_give_the_same_answer(muse_pair):
         (lambda: mlx_glimmer.SamplingParams(top_k=-1), "top_k"),
         (lambda: mlx_glimmer.GenerationSettings(block_size=0), "block_size"),
         (lambda: mlx_glimmer.GenerationSettings(block_size="wide"), "block_size"),
+        (lambda: mlx_glimmer.GenerationSettings(tree=64), "tree"),
+        (lambda: mlx_glimmer.GenerationSettings(tree="chain"), "tree"),
+        (lambda: mlx_glimmer.GenerationSettings(tree=True), "tree"),
     ],
 )
 def test_settings_are_checked_once_when_made(make, field):
     with pytest.raises(GlimmerError, match=field):
         make()
+
+
+class Detokenizer:
+    """Token ids as text, one character per id (what `chunks_from_steps` needs of mlx-lm's detokenizer)."""
+
+    def __init__(self):
+        self.pending = ""
+
+    def reset(self):
+        self.pending = ""
+
+    def add_token(self, t):
+        self.pending += chr(ord("a") + t % 26)
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        out, self.pending = self.pending, ""
+        return out
+
+
+class StepsTokenizer:
+    detokenizer = Detokenizer()
+
+
+def run_steps(steps: list[Step], max_tokens: int = 100) -> list:
+    def loop():
+        yield from steps
+
+    return list(chunks_from_steps(StepsTokenizer(), loop(), GenerationStats(), max_tokens, time.perf_counter(), float))
+
+
+def test_stats_count_each_rounds_drafts_depth_tree_and_source_from_the_loops_steps():
+    chunks = run_steps(
+        [
+            Step([1], prefill_tokens=5, verify_s=0.01),  # the prefill: no round
+            Step([2, 3, 4], drafted=9, accepted=2, tree=True, source="model"),  # a 9-node tree, a path of 2 kept
+            Step([5], drafted=3, accepted=0),  # a chain of 3, none kept
+            Step([6, 7], drafted=5, accepted=1, tree=True, source="lookup"),
+            Step([8, 9], drafted=2, accepted=1, source="both", stopped=True),  # a chain; 9 is the stop token
+        ]
+    )
+    s = chunks[-1].stats
+    assert s.tokens_verified == 10 + 4 + 6 + 3  # drafts + the anchor, every round after the prefill
+    assert s.accepted_depths == [2, 0, 1, 1] and s.mean_accepted_depth == 1.0
+    assert s.tree_rounds == 2 and s.target_forwards == 4 and s.mean_tokens_verified == 23 / 4
+    assert s.accepted_from == {"model": 1, "lookup": 1, "both": 1}  # a round that kept nothing has no source
+    assert s.acceptance_lengths == [3, 1, 2, 2] and s.generated_tokens == 8 and s.finish_reason == "stop"
+    d = s.to_dict()
+    assert (d["tokens_verified"], d["tree_rounds"], d["accepted_depths"]) == (23, 2, [2, 0, 1, 1])
+    assert d["mean_accepted_depth"] == 1.0 and d["accepted_from"] == {"model": 1, "lookup": 1, "both": 1}
+    # each chunk keeps the figures of its moment
+    first = chunks[1].stats
+    assert (first.accepted_depths, first.accepted_from, first.tree_rounds) == ([2], {"model": 1}, 1)
+    assert chunks[0].stats.tokens_verified == 0 and chunks[0].stats.mean_accepted_depth == 0.0
+
+
+def test_plain_rounds_verify_one_token_and_keep_no_draft():
+    s = run_steps([Step([1], prefill_tokens=2), Step([2]), Step([3])])[-1].stats
+    assert (s.tokens_verified, s.accepted_depths, s.tree_rounds, s.accepted_from) == (2, [0, 0], 0, {})
+    assert s.mean_tokens_verified == 1.0 and s.mean_accepted_depth == 0.0

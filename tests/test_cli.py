@@ -164,6 +164,38 @@ def test_every_command_takes_block_size_auto_and_defaults_to_it():
     assert parser.parse_args(["serve"]).block_size == "auto"
 
 
+def test_every_command_takes_tree_auto_off_or_a_node_count_and_its_settings_carry_it():
+    from mlx_glimmer.cli import build_parser
+    from mlx_glimmer.flags import settings_from_args
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["serve"], ["chat"]):
+        for given, value in (("auto", "auto"), ("off", "off"), ("1", 1), ("63", 63), ("OFF", "off")):
+            assert parser.parse_args([*command, "--tree", given]).tree == value
+    assert parser.parse_args(["generate", "--prompt", "x"]).tree == "auto"
+    assert parser.parse_args(["serve"]).tree == "auto"
+    assert parser.parse_args(["chat"]).tree is None  # the chat's own settings (or a resumed chat's) fill it
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert settings_from_args(parser.parse_args([*command, "--tree", "12"]), "x").tree == 12
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    help_ = next(a for a in generate._actions if a.dest == "tree").help
+    assert "N + 1 tokens verified" in help_ and "block drafter" in help_ and "'off' for chains only" in help_
+
+
+@pytest.mark.parametrize("value", ["0", "64", "-1", "wide", "2.5", ""])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["chat"]])
+def test_a_bad_tree_is_one_error_line_naming_the_flag(capsys, command, value):
+    assert main([*command, "--tree", value]) == 2
+    assert_one_error_line(capsys.readouterr().err, f"{command[0]}: argument --tree: must be 'auto', 'off'")
+
+
+def test_chat_flags_carry_the_tree_into_the_chat_settings():
+    from mlx_glimmer.cli import build_parser, chat_plan
+
+    _, _, settings, given = chat_plan(build_parser().parse_args(["chat", "--tree", "off", "--no-history"]))
+    assert settings.generation.tree == "off" and given == {"tree": "off"}
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

@@ -43,11 +43,11 @@ def test_bench_reports_a_mismatch_with_both_margins(muse_pair, monkeypatch):
 
     monkeypatch.setattr(bench, "time_ours", wrong_once)
     report = bench.run_bench(muse_pair, ["Once upon a time"], max_tokens=12, block_sizes=[4], warmup=0, baseline=False)
-    spec = report["results"]["spec_b4"]
+    spec = report["results"]["spec_b4_toff"]  # a fixed width verifies chains: tree "auto" runs as "off"
     assert spec["mismatches"] == 1
     d = spec["divergences"][0]
     assert d["prompt"] == 1 and d["position"] == 3 and set(d["kernels"]) == {"step (1 row)", "verify (4 rows)"}
     assert d["tie"] is False  # a token the target does not prefer by a wide gap: a real disagreement
     table = bench.format_table(report)
-    assert "OUTPUT MISMATCHES" in table and "spec_b4 prompt 1: first divergence at generated token 3" in table
+    assert "OUTPUT MISMATCHES" in table and "spec_b4_toff prompt 1: first divergence at generated token 3" in table
     assert "step (1 row): top1-top2" in table and "verify (4 rows): top1-top2" in table and "DISAGREE" in table

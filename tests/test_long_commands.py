@@ -47,6 +47,56 @@ def test_bench_speedup_is_the_median_of_per_prompt_ratios_not_the_ratio_of_total
     assert median_speedup(spec.per_prompt_tokens_per_second, plain.per_prompt_tokens_per_second) == 2.0
 
 
+def test_bench_runs_each_width_once_per_tree_setting_and_names_the_methods_by_both():
+    from mlx_glimmer.bench import method_settings, spec_methods
+
+    # a fixed width verifies chains under tree "auto": it runs once, as "off"
+    assert spec_methods(["auto", 16], ["auto", "off"]) == ["spec_bauto_tauto", "spec_bauto_toff", "spec_b16_toff"]
+    assert spec_methods(["auto", 4], [8]) == ["spec_bauto_t8", "spec_b4_t8"]
+    s = method_settings("spec_b16_t8", 32)
+    assert (s.block_size, s.tree, s.speculative, s.max_tokens) == (16, 8, True, 32)
+    s = method_settings("spec_bauto_toff", 32)
+    assert (s.block_size, s.tree) == ("auto", "off")
+    assert not method_settings("plain", 32).speculative
+
+
+def test_bench_trees_flag_is_checked_before_anything_loads(capsys):
+    assert main(["bench", "--trees", "auto,64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: bench: --trees: 'auto,64'"), err
+
+
+def test_bench_table_has_a_row_per_method_with_speedup_and_tree_figures():
+    from dataclasses import asdict
+
+    from mlx_glimmer.bench import Measurement, format_table
+
+    def result(m: Measurement) -> dict:
+        return {
+            **asdict(m),
+            "tokens_per_second": m.tokens_per_second,
+            "mean_acceptance": m.mean_acceptance,
+            "mean_tokens_verified": m.mean_tokens_verified,
+            "mean_accepted_depth": m.mean_accepted_depth,
+            "median_speedup_over_plain": 1.5,
+            "verify_width_histogram": {},
+        }
+
+    plain, tree = Measurement("plain"), Measurement("spec_bauto_tauto")
+    plain.add(10, 1.0, 10, [1] * 10, [1] * 10)
+    tree.add(10, 0.5, 4, [3, 3, 2, 2], [10, 10, 4, 4])
+    tree.tokens_verified, tree.tree_rounds, tree.accepted_depths = 28, 2, [2, 2, 1, 1]
+    tree.accepted_from = {"model": 3, "lookup": 1}
+    report = {
+        "environment": {"device": "cpu", "drafter_kind": "dflash"},
+        "results": {"plain": result(plain), "spec_bauto_tauto": result(tree)},
+    }
+    table = format_table(report)
+    assert "| plain | 10.0 | 1.00x |" in table
+    assert "| spec_bauto_tauto | 20.0 | 2.00x | 1.50x | 2.50 | 7.0 | 1.50 | 2/4 | 0.400 |" in table
+    assert "spec_bauto_tauto accepted paths from: lookup 1, model 3" in table
+
+
 def test_parity_prints_a_line_per_prompt_and_defaults_to_three_prompts(tmp_path, checkpoints, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl")
     argv = [

@@ -21,8 +21,16 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
+from mlx_glimmer.generate import GenerationStats  # noqa: E402
 from mlx_glimmer.server.app import ServerState, create_app, model_context  # noqa: E402
-from mlx_glimmer.server.protocol import RESERVED_TEMPLATE_KWARGS  # noqa: E402
+from mlx_glimmer.server.metrics import ServerMetrics, metrics_text  # noqa: E402
+from mlx_glimmer.server.protocol import (  # noqa: E402
+    RESERVED_TEMPLATE_KWARGS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+    request_settings,
+)
 from mlx_glimmer.server.worker import GenerationWorker  # noqa: E402
 from mlx_glimmer.settings import GenerationSettings  # noqa: E402
 
@@ -132,6 +140,12 @@ KNOWN = [  # (what, path, body, status, param)
     ("stream: 'yes'", CHAT, chat(stream="yes"), 400, "stream"),
     ("speculative: 1", CHAT, chat(speculative=1), 400, "speculative"),
     ("block_size: true", CHAT, chat(block_size=True), 400, "block_size"),
+    ("tree: 0", CHAT, chat(tree=0), 400, "tree"),
+    ("tree: 64", CHAT, chat(tree=64), 400, "tree"),
+    ("tree: 'chain'", CHAT, chat(tree="chain"), 400, "tree"),
+    ("tree: true", CHAT, chat(tree=True), 400, "tree"),
+    ("tree: 2.0", COMPLETIONS, {"prompt": "hi", "tree": 2.0}, 400, "tree"),
+    ("tree: 'AUTO'", COMPLETIONS, {"prompt": "hi", "tree": "AUTO"}, 400, "tree"),
     ("echo: 1", COMPLETIONS, {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("a token id true", COMPLETIONS, {"prompt": [1, True]}, 400, "prompt"),
     ("a token id past the vocabulary", COMPLETIONS, {"prompt": [2**70]}, 400, "prompt"),
@@ -185,6 +199,36 @@ def test_known_bad_input_gets_a_4xx_naming_the_field(client, capfd, what, path, 
         assert r.json()["error"]["param"] == param, r.json()
     out, err = capfd.readouterr()
     assert "Traceback" not in err and "internal error" not in err, err
+
+
+def test_a_bad_tree_is_a_400_that_says_what_it_takes(client):
+    r, _ = post(client, CHAT, chat(tree="wide"))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "tree: must be 'auto', 'off' or a whole number in [1, 63], got 'wide'"
+
+
+def test_a_request_without_tree_takes_the_servers_and_one_with_it_its_own():
+    server = GenerationSettings(max_tokens=4, tree="off")  # serve --tree off
+    for model, body in ((ChatCompletionRequest, {"messages": ASK}), (CompletionRequest, {"prompt": "hi"})):
+        assert request_settings(parse(model, body), server, 3, None)[0].tree == "off"
+        for tree in ("auto", 7):
+            assert request_settings(parse(model, {**body, "tree": tree}), server, 3, None)[0].tree == tree
+
+
+def test_metrics_count_tokens_verified_tree_rounds_and_accepted_path_sources(client):
+    names = {line.split()[2] for line in client.get("/metrics").text.splitlines() if line.startswith("# TYPE")}
+    assert {"glimmer_tokens_verified_total", "glimmer_tree_rounds_total", "glimmer_accepted_path_rounds_total"} <= names
+
+    m = ServerMetrics()
+    for sources in ({"model": 3, "lookup": 1}, {"model": 1, "both": 2}):
+        stats = GenerationStats(target_forwards=4, tokens_verified=20, tree_rounds=3, accepted_from=sources)
+        m.record(stats, "stop", 0.0)
+    text = metrics_text(m, queue_depth=0, busy=False, prompt_cache_max_bytes=1, uptime_s=1.0)
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    assert samples["glimmer_tokens_verified_total"] == "40" and samples["glimmer_tree_rounds_total"] == "6"
+    assert samples['glimmer_accepted_path_rounds_total{source="model"}'] == "4"
+    assert samples['glimmer_accepted_path_rounds_total{source="lookup"}'] == "1"
+    assert samples['glimmer_accepted_path_rounds_total{source="both"}'] == "2"
 
 
 def test_a_non_json_content_type_gets_415_and_json_ones_are_served(client):
@@ -259,6 +303,7 @@ COMMON = {
     "n": field(st.just(1), st.integers(0, 3)),
     "speculative": st.booleans(),
     "block_size": field(st.one_of(st.integers(1, 16), st.just("auto")), st.integers(-1, 300)),
+    "tree": field(st.sampled_from(["auto", "off"]), st.sampled_from([0, 64, -1, "chain", True, 2.5, [4]])),
     "logprobs": field(st.just(False), st.booleans()),
     "presence_penalty": field(st.just(0), FLOATS),
     "user": PLAIN_TEXT,

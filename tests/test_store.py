@@ -146,6 +146,17 @@ def test_a_turn_whose_stats_cannot_be_read_comes_back_without_them(store):
     assert stats_from_json('{"generated_tokens": 3, "from_a_newer_version": 1}') == GenerationStats(generated_tokens=3)
 
 
+def test_a_turns_draft_tree_figures_and_the_tree_setting_are_kept(store):
+    turn = a_turn(0)
+    turn.stats.tokens_verified, turn.stats.tree_rounds, turn.stats.accepted_depths = 12, 1, [1, 0]
+    turn.stats.accepted_from = {"model": 1}
+    cid = store.create("c", Settings())
+    store.add_turn(cid, turn, processed=[0], settings=Settings.of(tree=9))
+    loaded = store.load(cid)
+    assert loaded.turns[0].stats == turn.stats and loaded.settings.generation.tree == 9
+    assert stats_from_json('{"accepted_from": {"model": "many"}}') is None  # not counts: the stats are unreadable
+
+
 def test_a_database_from_a_newer_version_is_refused(tmp_path):
     path = tmp_path / "chats.db"
     Store(path).close()

@@ -459,6 +459,10 @@ def scripted(text: str, pieces: int = 9, lengths=(3, 1, 5, 2, 4, 4, 1, 6, 2, 3, 
             stats.acceptance_lengths += list(lengths[i * len(lengths) // pieces : (i + 1) * len(lengths) // pieces])
             stats.target_forwards = len(stats.acceptance_lengths)
             stats.generated_tokens = 1 + sum(stats.acceptance_lengths)
+            stats.accepted_depths = [n - 1 for n in stats.acceptance_lengths]
+            stats.tokens_verified = 8 * stats.target_forwards
+            stats.tree_rounds = sum(n > 3 for n in stats.acceptance_lengths)
+            stats.accepted_from = {"model": sum(n > 1 for n in stats.acceptance_lengths)}
             stats.decode_tokens_per_second = 61.4
             stats.draft_s, stats.verify_s = 0.021 * (i + 1), 0.064 * (i + 1)
             if i == pieces - 1:

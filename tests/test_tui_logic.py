@@ -1,14 +1,25 @@
 """The chat app's plain parts: channel splitting, slash commands, history, transcript, stats text."""
 
+import asyncio
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from mlx_glimmer import GenerationSettings, GenerationStats, GlimmerError
 from mlx_glimmer.channels import split_channels
 from mlx_glimmer.chat_template import supports_reasoning
-from mlx_glimmer.tui.commands import COMMANDS, Command, CommandError, help_text, is_command, parse_command, prompt_text
+from mlx_glimmer.tui.commands import (
+    COMMANDS,
+    Command,
+    CommandError,
+    help_text,
+    is_command,
+    parse_command,
+    prompt_text,
+    run_command,
+)
 from mlx_glimmer.tui.history import InputHistory
 from mlx_glimmer.tui.session import Conversation, Settings, Turn
 from mlx_glimmer.tui.stats import histogram, sparkline, stats_rows, turn_summary
@@ -73,6 +84,9 @@ def test_the_start_of_a_header_is_held_back_while_streaming():
         ("/TEMP 0", Command("temp", 0.0)),
         ("/block 8", Command("block", 8)),
         ("/block auto", Command("block", "auto")),
+        ("/tree 12", Command("tree", 12)),
+        ("/tree auto", Command("tree", "auto")),
+        ("/tree OFF", Command("tree", "off")),
         ("/spec off", Command("spec", False)),
         ("/spec ON", Command("spec", True)),
         ("/reasoning xhigh", Command("reasoning", "xhigh")),
@@ -95,6 +109,10 @@ def test_commands_parse_to_typed_values(line, command):
         ("/temp hot", "/temp needs a number, got 'hot'"),
         ("/block 1.5", "/block needs 'auto' or a whole number, got '1.5'"),
         ("/block -2", "/block must be >= 1, got -2"),
+        ("/tree", "usage: /tree auto|off|N"),
+        ("/tree 0", "/tree must be in [1, 63], got 0"),
+        ("/tree 64", "/tree must be in [1, 63], got 64"),
+        ("/tree wide", "/tree needs 'auto', 'off' or a whole number, got 'wide'"),
         ("/spec yes", "usage: /spec on|off, got 'yes'"),
         ("/reasoning max", "/reasoning takes one of low, medium, high, xhigh, got 'max'"),
         ("/help me", "/help takes no argument"),
@@ -112,7 +130,17 @@ def test_a_double_slash_is_a_prompt_with_one_slash():
 
 
 def test_help_lists_every_command():
-    for name in ("/clear", "/system TEXT", "/temp X", "/block auto|N", "/spec on|off", "/save FILE", "/stats", "/help"):
+    for name in (
+        "/clear",
+        "/system TEXT",
+        "/temp X",
+        "/block auto|N",
+        "/tree auto|off|N",
+        "/spec on|off",
+        "/save FILE",
+        "/stats",
+        "/help",
+    ):
         assert name in help_text()
 
 
@@ -190,16 +218,69 @@ def test_every_command_has_one_table_entry_with_usage_help_and_apply():
         "system",
         "temp",
         "block",
+        "tree",
         "spec",
         "reasoning",
         "save",
         "stats",
         "help",
     }
-    assert {n for n, s in COMMANDS.items() if s.persists} == {"system", "temp", "block", "spec", "reasoning"}
+    assert {n for n, s in COMMANDS.items() if s.persists} == {"system", "temp", "block", "tree", "spec", "reasoning"}
     assert {n for n, s in COMMANDS.items() if s.while_busy} == {"help", "stats"}
     for name, spec in COMMANDS.items():
         assert spec.usage.startswith(f"/{name}") and spec.help and callable(spec.apply)
+
+
+class FakeApp:
+    """What a settings command reads and changes of the chat app."""
+
+    def __init__(self, drafter_kind: str | None = "dflash"):
+        drafter = None if drafter_kind is None else SimpleNamespace(kind=drafter_kind)
+        self.pair = SimpleNamespace(drafter=drafter)
+        self.conversation = Conversation(Settings())
+        self.busy = False
+        self.notes = []
+
+    @property
+    def settings(self):
+        return self.conversation.settings
+
+    def update_settings(self, **changes):
+        self.conversation.settings = self.settings.with_changes(**changes)
+
+    def note(self, text, kind):
+        self.notes.append(text)
+
+
+def test_the_tree_command_changes_the_conversations_tree_setting():
+    app = FakeApp()
+    assert app.settings.generation.tree == "auto"
+    asyncio.run(run_command(app, "/tree 12"))
+    assert app.settings.generation.tree == 12 and app.notes[-1] == "Draft trees 12 nodes."
+    asyncio.run(run_command(app, "/tree off"))
+    assert app.settings.generation.tree == "off" and app.notes[-1] == "Draft trees off (chains only)."
+    assert Settings.of(**app.settings.flat()).generation.tree == "off"  # stored with the conversation
+    lookup = FakeApp("prompt-lookup")
+    asyncio.run(run_command(lookup, "/tree 8"))
+    assert lookup.settings.generation.tree == 8 and "trees need DFlash, DFlash2 or DSpark" in lookup.notes[-1]
+    with pytest.raises(CommandError, match="no drafter"):
+        asyncio.run(run_command(FakeApp(None), "/tree 8"))
+
+
+def test_the_status_line_shows_the_tree_setting_next_to_the_block():
+    from mlx_glimmer.tui.status import status_line
+
+    pair = SimpleNamespace(
+        name="m",
+        drafter_path=None,
+        target=SimpleNamespace(model_type="muse"),
+        quantization="4-bit",
+        drafter=SimpleNamespace(kind="dflash"),
+    )
+    line = status_line(
+        Settings.of(block_size=8, tree=5), pair, reasoning_supported=False, saving_delayed=False, busy=False
+    )
+    assert "dflash block 8 tree 5" in line
 
 
 class FakeTokenizer:
@@ -262,6 +343,26 @@ def test_stats_rows_and_summary():
     assert rows["TTFT"] == "250 ms" and rows["memory"] == "2.50 GB peak"
     summary = "9 tokens · 40.0 tok/s · 2.67 tok/round · prefilled 8 of 30 prompt tokens · stop"
     assert turn_summary(stats()) == summary
+
+
+def test_the_stats_panel_shows_tokens_verified_depth_trees_and_sources():
+    rows = dict(
+        stats_rows(
+            stats(
+                drafter_kind="dflash",
+                target_forwards=49,
+                tokens_verified=441,
+                accepted_depths=[2] * 40 + [0] * 9,
+                tree_rounds=40,
+                accepted_from={"both": 2, "lookup": 8, "model": 30},
+            )
+        )
+    )
+    assert rows["verified"] == "9.0 tok/round, depth 1.6"
+    assert rows["trees"] == "40/49 rounds"
+    assert rows["from"] == "model 30 lookup 8 both 2"
+    assert dict(stats_rows(stats(drafter_kind="dflash")))["from"] == "–"  # no draft kept yet
+    assert "trees" not in dict(stats_rows(stats(drafter_kind="none")))  # plain decoding: nothing drafted
 
 
 def test_histogram_counts_rounds_by_committed_tokens():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mlx_glimmer.chat_template import REASONING_LEVELS
-from mlx_glimmer.settings import AUTO, SamplingError, SamplingParams
+from mlx_glimmer.settings import AUTO, MAX_TREE_NODES, OFF, SamplingError, SamplingParams
 
 KEYS_HELP = (
     "keys: enter send · ctrl+j new line · ↑/↓ history · esc or ctrl+c cancel · ctrl+l clear · "
@@ -86,6 +86,19 @@ def block_size(name: str, arg: str) -> int | str:
         raise CommandError(f"/{name} needs 'auto' or a whole number, got {arg!r}") from None
     if value < 1:
         raise CommandError(f"/{name} must be >= 1, got {value}")
+    return value
+
+
+def tree(name: str, arg: str) -> int | str:
+    text(name, arg)
+    if arg.lower() in (AUTO, OFF):
+        return arg.lower()
+    try:
+        value = int(arg)
+    except ValueError:
+        raise CommandError(f"/{name} needs 'auto', 'off' or a whole number, got {arg!r}") from None
+    if not 1 <= value <= MAX_TREE_NODES:
+        raise CommandError(f"/{name} must be in [1, {MAX_TREE_NODES}], got {value}")
     return value
 
 
@@ -175,6 +188,21 @@ def set_block_size(app, value: int | str) -> None:
     app.note(f"Block size {value}.", "info")
 
 
+CHAIN_DRAFTERS = ("draft-model", "prompt-lookup")  # drafters that propose chains only (no per-position scores)
+
+
+def set_tree(app, value: int | str) -> None:
+    if has_no_drafter(app):
+        raise CommandError("this model has no drafter; draft trees do not apply")
+    app.update_settings(tree=value)
+    what = {AUTO: "auto (a chain or a tree, per round)", OFF: "off (chains only)"}.get(value, f"{value} nodes")
+    chains = app.pair is not None and app.pair.drafter.kind in CHAIN_DRAFTERS
+    note = (
+        f" (a {app.pair.drafter.kind} drafter verifies chains; trees need DFlash, DFlash2 or DSpark)" if chains else ""
+    )
+    app.note(f"Draft trees {what}.{note}", "info")
+
+
 def set_speculative(app, value: bool) -> None:
     if value and has_no_drafter(app):
         raise CommandError("this model has no drafter; speculative decoding needs one")
@@ -224,6 +252,14 @@ COMMANDS: dict[str, Spec] = {
             "verify width incl. the anchor: auto (per round, the default) or N >= 1",
             block_size,
             set_block_size,
+            persists=True,
+        ),
+        Spec(
+            "tree",
+            "/tree auto|off|N",
+            f"draft trees: auto (per round, the default), off (chains only) or N nodes (1 to {MAX_TREE_NODES})",
+            tree,
+            set_tree,
             persists=True,
         ),
         Spec(

@@ -40,9 +40,24 @@ def stats_rows(stats: GenerationStats | None) -> list[tuple[str, str]]:
             if stats.block_policy == "auto"
             else []
         ),
+        *(tree_rows(stats) if stats.drafter_kind != "none" else []),
         ("draft", f"{share:4.0%} {bar(share, 10)}"),
         ("verify", f"{1 - share:4.0%} {bar(1 - share, 10)}" if stats.verify_s else "–"),
         ("memory", f"{stats.peak_memory_gb:.2f} GB peak"),
+    ]
+
+
+SOURCES = ("model", "lookup", "both")  # who proposed a round's accepted path, in the order shown
+
+
+def tree_rows(stats: GenerationStats) -> list[tuple[str, str]]:
+    """Tokens verified and drafts kept per round, rounds that verified a tree, and who proposed the accepted
+    paths (the drafter's model, n-gram lookup, or both)."""
+    sources = sorted(stats.accepted_from.items(), key=lambda kv: (SOURCES + (kv[0],)).index(kv[0]))
+    return [
+        ("verified", f"{stats.mean_tokens_verified:.1f} tok/round, depth {stats.mean_accepted_depth:.1f}"),
+        ("trees", f"{stats.tree_rounds}/{stats.target_forwards} rounds"),
+        ("from", " ".join(f"{name} {n}" for name, n in sources) or "–"),
     ]
 
 

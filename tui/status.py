@@ -31,7 +31,7 @@ def status_line(
         if pair.drafter is None:
             parts.append("no drafter")
         elif s.speculative:
-            parts.append(f"{pair.drafter.kind} block {s.block_size}")
+            parts.append(f"{pair.drafter.kind} block {s.block_size} tree {s.tree}")
         else:
             parts.append("spec off")
         parts.append("greedy" if s.sampling.greedy else f"temp {s.sampling.temperature:g}")

@@ -168,10 +168,12 @@ def stats_from_json(text: str | None) -> GenerationStats | None:
 
 
 def same_kind(value, default) -> bool:
-    """Whether a stored statistic can stand where `default` does (a number, a list of whole numbers, a
-    string or None)."""
+    """Whether a stored statistic can stand where `default` does (a number, a list of whole numbers, counts
+    by name, a string or None)."""
     if isinstance(default, list):
         return isinstance(value, list) and all(isinstance(n, int) for n in value)
+    if isinstance(default, dict):
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(n, int) for k, n in value.items())
     if isinstance(default, (int, float)):
         return isinstance(value, (int, float))
     return value is None or isinstance(value, str)

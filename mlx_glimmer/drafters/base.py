@@ -7,9 +7,19 @@ the torch assistant. What a drafter may go without has a default here, so the lo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from ..settings import SamplingParams
+
+
+@dataclass
+class Marginals:
+    """What one drafter forward says about each draft position: `log_probs` [D, V'] for positions 1..D,
+    over the target's vocabulary or, with `vocab` (column -> token id), over the drafter's own."""
+
+    log_probs: Any
+    vocab: Any = None
 
 
 class Drafter(ABC):
@@ -22,6 +32,7 @@ class Drafter(ABC):
     adaptive: bool = False  # chooses how many tokens to draft each round, at most `max_k`
     max_k: int = 0
     backlog: int = 0  # observed positions not yet projected into its context
+    has_marginals: bool = False  # `marginals` answers: it can seed draft trees
 
     @abstractmethod
     def reset(self) -> None:
@@ -36,6 +47,11 @@ class Drafter(ABC):
     def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Any, Any]:
         """At most `count` draft tokens after `anchor`, and the distributions [n, V] they were drawn from
         (None: chosen deterministically)."""
+
+    def marginals(self, anchor: int, count: int) -> Marginals | None:
+        """Per-position distributions of up to `count` draft positions after `anchor` from one forward (the
+        material of a draft tree, `tree.py`); None where the drafter has none (it drafts a chain)."""
+        return None
 
     def rollback(self, n: int) -> bool:
         """Forget the last n observed positions; False (and no change) if it cannot."""

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..sampling import pick
-from .base import Drafter
+from .base import Drafter, Marginals
 from .config import DrafterConfig
 from .context import ContextCache
 
@@ -44,6 +44,7 @@ class BlockDrafter(Drafter):
     are cast to the target's activation dtype on binding (`bind_dtype`)."""
 
     kind = "block"
+    has_marginals = True
 
     def __init__(self, model, target):
         if target is not None:  # a DSpark head with its own embedding and head drafts without one
@@ -125,6 +126,10 @@ class BlockDrafter(Drafter):
         """Drafter output for the block [anchor, mask x count]: [count + 1, H]."""
         self._flush()
         return self.model(self.embed_block(anchor, count)[None], self.position, self.context)[0]
+
+    def marginals(self, anchor: int, count: int) -> Marginals:
+        logits = self.draft_logits(self.block_hidden(anchor, count)[1:]).astype(mx.float32)
+        return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.draft_vocab)
 
     def propose(self, anchor: int, count: int, params, key):
         choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, key)

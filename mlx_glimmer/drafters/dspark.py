@@ -35,6 +35,7 @@ import mlx.nn as nn
 
 from ..errors import GlimmerError
 from ..sampling import probabilities
+from .base import Marginals
 from .block import BlockDrafter
 from .config import SourceConfig
 from .context import BlockContext
@@ -180,6 +181,12 @@ class DSparkDrafter(BlockDrafter):
         confidence = conf.proj(joined.astype(mx.float32))[:, 0]
         probs = mx.stack(q_rows) if q_rows else None
         return mx.concatenate(tokens), mx.stack(biased), confidence, probs
+
+    def marginals(self, anchor: int, count: int) -> Marginals:
+        """The block's own per-position distributions (without the Markov head's bias on the previous token,
+        which a tree's branches do not share)."""
+        logits = self.base_logits(self.block_hidden(anchor)[: min(count, self.draft_len)]).astype(mx.float32)
+        return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
         n = min(count, self.draft_len)

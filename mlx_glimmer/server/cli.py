@@ -42,7 +42,7 @@ def add_serve_parser(sub) -> None:
         description=(
             "Serve the pair over an OpenAI-compatible HTTP API: POST /v1/chat/completions and /v1/completions "
             "(JSON or SSE streaming), GET /v1/models, /health and /metrics. Speculative by default; requests may "
-            "set 'speculative' and 'block_size'. Conversations are kept in a prefix cache, so a follow-up turn "
+            "set 'speculative', 'block_size' and 'tree'. Conversations are kept in a prefix cache, so a follow-up turn "
             "prefills only what it adds."
         ),
     )

@@ -22,6 +22,9 @@ class ServerMetrics:
     generated_tokens: int = 0
     target_forwards: int = 0
     committed_by_rounds: int = 0  # tokens committed by verify rounds (the numerator of mean acceptance)
+    tokens_verified: int = 0  # tokens verify rounds offered the target: drafts (chain or tree nodes) + the anchor
+    tree_rounds: int = 0  # verify rounds that verified a draft tree
+    accepted_from: Counter = field(default_factory=Counter)  # rounds by who proposed the accepted path
     decode_s: float = 0.0
     prefill_s: float = 0.0
     queue_wait_s: float = 0.0
@@ -53,6 +56,7 @@ class ServerMetrics:
                 requests=Counter(self.requests),
                 block_sizes=Counter(self.block_sizes),
                 acceptance=Counter(self.acceptance),
+                accepted_from=Counter(self.accepted_from),
                 batched_steps=Counter(self.batched_steps),
                 batched_tokens_per_second=dict(self.batched_tokens_per_second),
                 prefix_cache=replace(self.prefix_cache),
@@ -101,6 +105,9 @@ class ServerMetrics:
         self.target_forwards += stats.target_forwards
         self.committed_by_rounds += sum(stats.acceptance_lengths)
         self.acceptance.update(stats.acceptance_lengths)
+        self.tokens_verified += stats.tokens_verified
+        self.tree_rounds += stats.tree_rounds
+        self.accepted_from.update(stats.accepted_from)
         self.block_sizes[stats.block_size] += 1
         if stats.generated_tokens > 1 and stats.decode_tokens_per_second > 0:
             self.decode_s += (stats.generated_tokens - 1) / stats.decode_tokens_per_second
@@ -189,6 +196,21 @@ def decoding_metrics(lines: list[str], m: ServerMetrics) -> None:
     metric(lines, "target_forwards_total", "counter", "target verify forwards after prefill", m.target_forwards)
     metric(
         lines, "mean_acceptance", "gauge", "tokens committed per target forward, all requests", float(m.mean_acceptance)
+    )
+    metric(
+        lines,
+        "tokens_verified_total",
+        "counter",
+        "tokens verify forwards offered the target after prefill: drafts (chain or tree nodes) + the anchor",
+        m.tokens_verified,
+    )
+    metric(lines, "tree_rounds_total", "counter", "verify forwards that verified a draft tree", m.tree_rounds)
+    metric(
+        lines,
+        "accepted_path_rounds_total",
+        "counter",
+        "verify rounds that kept drafts, by who proposed the accepted path (model, lookup or both)",
+        by_label("source", m.accepted_from, "model"),
     )
     metric(
         lines,

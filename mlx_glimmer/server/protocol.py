@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..chat_template import REASONING_LEVELS
 from ..generate import GenerationStats
-from ..settings import AUTO, SEED_LIMIT, GenerationSettings, SamplingError
+from ..settings import AUTO, MAX_TREE_NODES, OFF, SEED_LIMIT, GenerationSettings, SamplingError
 
 
 class APIError(Exception):
@@ -145,10 +145,21 @@ class CommonFields(BaseModel):
     n: int = Field(1, ge=1)
     speculative: bool | None = None
     block_size: Annotated[int, Field(ge=1, le=256)] | Literal[AUTO] | None = None
+    tree: int | str | None = None  # "auto", "off" or N draft-tree nodes (`tree_value`)
     logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def tree_value(cls, value):
+        """One message for every wrong `tree` (a union's per-member messages would not say what it takes)."""
+        if value is None or value in (AUTO, OFF) or (type(value) is int and 1 <= value <= MAX_TREE_NODES):
+            return value
+        got = repr(value) if isinstance(value, str) else json.dumps(value)
+        got = got if len(got) <= 40 else got[:39] + "…"
+        raise ValueError(f"must be 'auto', 'off' or a whole number in [1, {MAX_TREE_NODES}], got {got}")
 
 
 # `chat_template_kwargs` keys refused with a 400: the arguments of `apply_chat_template` itself and the
@@ -416,6 +427,7 @@ def request_settings(
             seed=req.seed or 0,
             speculative=req.speculative,
             block_size=req.block_size,
+            tree=req.tree,
         )
     except SamplingError as e:
         raise APIError(400, f"{e.field}: {e}", param=e.field) from None

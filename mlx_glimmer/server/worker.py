@@ -219,6 +219,8 @@ class Run:
         stats.target_forwards += 1
         stats.acceptance_lengths.append(1)
         stats.verify_widths.append(1)
+        stats.tokens_verified += 1
+        stats.accepted_depths.append(0)
         stopped = token in stop_ids
         self.batched_tokens += not stopped
         self.batch_size = max(self.batch_size, batch_size)
@@ -238,11 +240,18 @@ class Run:
 def joined(base: GenerationStats, segment: GenerationStats) -> GenerationStats:
     """The stats of a request that went back to decoding alone: `base` (so far) and the new segment's, whose
     one-token "prefill" is the forward of the request's last token (a round committing one token)."""
+    sources = dict(base.accepted_from)
+    for source, rounds in segment.accepted_from.items():
+        sources[source] = sources.get(source, 0) + rounds
     return replace(
         base,
         target_forwards=base.target_forwards + 1 + segment.target_forwards,
         acceptance_lengths=base.acceptance_lengths + [1] + segment.acceptance_lengths,
         verify_widths=base.verify_widths + [1] + segment.verify_widths,
+        tokens_verified=base.tokens_verified + 1 + segment.tokens_verified,
+        accepted_depths=base.accepted_depths + [0] + segment.accepted_depths,
+        tree_rounds=base.tree_rounds + segment.tree_rounds,
+        accepted_from=sources,
         draft_s=base.draft_s + segment.draft_s,
         verify_s=base.verify_s + segment.verify_s,
         peak_memory_gb=max(base.peak_memory_gb, segment.peak_memory_gb),
