@@ -47,6 +47,20 @@ from pathlib import Path
 from typing import Any
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
+MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured before the first answer; the others are interpolated
+TREE_WIDTHS = (4, 8, 16, 32)  # tree budgets (tokens verified) `auto` weighs against the chain widths
+# An untried tree budget is expected to keep this much more depth than the chain of its width: the ratio of
+# best-first trees to chains at equal width, teacher-forced with the demo drafter (docs/design.md).
+TREE_PRIOR_GAIN = 1.3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one round verifies: `width` tokens (the anchor and width - 1 drafts), as a draft tree built from
+    the drafter's per-position distributions merged with the n-gram lookup (`tree`), or as a chain."""
+
+    width: int
+    tree: bool = False
 
 
 def band_of(context: int) -> int:
@@ -82,11 +96,22 @@ class VerifyCost:
         return out
 
     def _raw(self, width: int, context: int) -> float:
-        """The measured cost, or the nearest measured band's scaled by this band's width-1 figure."""
+        """The measured cost; else interpolated between the nearest measured widths of its band (extended
+        along the widest two beyond them); else the nearest measured band's, scaled by the width-1 figures."""
         b = band_of(context)
-        own = self.seconds[b][width - 1]
+        row = self.seconds[b]
+        own = row[width - 1]
         if own is not None:
             return own
+        known = [w for w in range(1, self.max_width + 1) if row[w - 1] is not None]
+        below, above = [w for w in known if w < width], [w for w in known if w > width]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return row[lo - 1] + (row[hi - 1] - row[lo - 1]) * (width - lo) / (hi - lo)
+        if len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+            slope = max((row[hi - 1] - row[lo - 1]) / (hi - lo), 0.0)
+            return row[hi - 1] + slope * (width - hi)
         for other in sorted(range(len(BANDS)), key=lambda o: abs(o - b)):
             ref = self.seconds[other]
             if ref[width - 1] is not None and ref[0]:
@@ -114,15 +139,20 @@ class VerifyCost:
         return cls(int(raw["max_width"]), [list(r) for r in raw["seconds"]])
 
 
-def measure_verify_cost(target, max_width: int, vocab_size: int, contexts=(32, 1024), repeats: int = 2) -> VerifyCost:
-    """Time target calls of width 1..max_width after `contexts` tokens, on a cache of its own (nothing else moves)."""
+def measure_verify_cost(
+    target, max_width: int, vocab_size: int, contexts=(32,), repeats: int = 2, widths=MEASURED_WIDTHS
+) -> VerifyCost:
+    """Time target calls of `widths` (up to max_width, which is always measured) after `contexts` tokens, on a
+    cache of its own (nothing else moves). A short prompt's band only: a first answer waits for this, and
+    the other bands are scaled from it until plain rounds there measure them (`VerifyCost.observe`)."""
     cost = VerifyCost(max_width)
+    chosen = sorted({w for w in widths if w < max_width} | {max_width})
     for context in contexts:
         cache = target.make_cache(reserve=max_width)
         ids = [(7 + 31 * i) % vocab_size for i in range(context + max_width)]
         hidden, _ = target.forward(target.tokens(ids[:context]), cache, False)
         target.sync(hidden, cache=cache)
-        for width in range(1, max_width + 1):
+        for width in chosen:
             best = float("inf")
             for _ in range(repeats + 1):  # the first run warms up this shape
                 tic = time.perf_counter()
@@ -173,8 +203,11 @@ def calibration_key(target, *parts) -> str:
     return "|".join(map(str, (*parts, platform.machine(), chip_name(), library_version(target))))
 
 
-def cached_verify_cost(target, max_width: int, vocab_size: int, key: str, directory: Path | None) -> VerifyCost:
-    """`measure_verify_cost`, read from `directory/<hash of key>.json` when a run already measured it."""
+def cached_verify_cost(
+    target, max_width: int, vocab_size: int, key: str, directory: Path | None, on_measure=None
+) -> VerifyCost:
+    """`measure_verify_cost`, read from `directory/<hash of key>.json` when a run already measured it;
+    `on_measure` (a callable taking one line) hears when it has to be measured, before it is."""
     path = None
     if directory is not None:
         path = Path(directory) / f"{hashlib.sha256(f'{key}|{max_width}'.encode()).hexdigest()[:20]}.json"
@@ -183,6 +216,9 @@ def cached_verify_cost(target, max_width: int, vocab_size: int, key: str, direct
                 return VerifyCost.from_dict(json.loads(path.read_text()))
             except (ValueError, KeyError, json.JSONDecodeError):
                 pass  # stale or damaged: measure again
+    if on_measure is not None:
+        widths = ", ".join(str(w) for w in MEASURED_WIDTHS if w < max_width)
+        on_measure(f"measuring verify cost on this machine (widths {widths}, {max_width}; once per model and chip)")
     cost = measure_verify_cost(target, max_width, vocab_size)
     if path is not None:
         try:
@@ -241,6 +277,33 @@ class AcceptanceModel:
 
 
 @dataclass
+class TreeAcceptance:
+    """Tokens committed per round by each tree budget (exponential forgetting), shrunk toward a prior: the
+    chain of the same width's expectation, which a tree of that budget holds in the common case (its best
+    path is the chain's) and beats when the drafter's second guesses or the context's n-grams are right."""
+
+    widths: tuple[int, ...]
+    decay: float = 0.9
+    prior_weight: float = 2.0
+    committed: dict[int, float] = field(default_factory=dict)
+    rounds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, width: int, committed: int) -> None:
+        for w in self.widths:
+            if w == width:
+                self.committed[w] = self.committed.get(w, 0.0) * self.decay + committed
+                self.rounds[w] = self.rounds.get(w, 0.0) * self.decay + 1.0
+
+    def expected(self, width: int, prior: float) -> float:
+        return (self.committed.get(width, 0.0) + self.prior_weight * prior) / (
+            self.rounds.get(width, 0.0) + self.prior_weight
+        )
+
+    def seen(self, width: int) -> float:
+        return self.rounds.get(width, 0.0)
+
+
+@dataclass
 class WidthPolicy:
     cost: VerifyCost
     acceptance: AcceptanceModel
@@ -248,88 +311,134 @@ class WidthPolicy:
     probe_width: int = 4
     probe_interval: int = 8
     max_interval: int = 256
+    trees: TreeAcceptance | None = None  # tree budgets it may choose (None: chains only)
+    tree_draft_seconds: float | None = None  # a tree round's drafting time (the drafter's, the build's), averaged
     _interval: int = 0
     _plain_rounds: int = 0
     _draft_rounds: int = 0
     _probing: bool = False
     _draft_samples: int = 0  # drafting rounds whose time fed `draft_seconds` (observe_round)
+    _tree_samples: int = 0
 
     @property
     def max_width(self) -> int:
-        return self.cost.max_width
+        """The widest chain."""
+        return self.acceptance.size + 1
 
-    def rate(self, width: int, context: int) -> float:
-        """Expected committed tokens per second at this width."""
-        seconds = self.cost.estimate(width, context) + (self.draft_seconds or 0.0 if width > 1 else 0.0)
-        return self.acceptance.expected_tokens(width) / max(seconds, 1e-9)
+    def _seconds(self, shape: Shape, costs: list[float]) -> float:
+        if shape.width == 1:
+            return costs[0]
+        draft = (self.tree_draft_seconds if shape.tree else None) or self.draft_seconds or 0.0
+        return costs[shape.width - 1] + draft
 
-    def choose(self, context: int) -> int:
+    def _expected(self, shape: Shape, chain: list[float]) -> float:
+        if not shape.tree:
+            return chain[shape.width - 1]
+        prior = 1.0 + (chain[min(shape.width, self.max_width) - 1] - 1.0) * TREE_PRIOR_GAIN
+        return self.trees.expected(shape.width, prior)
+
+    def shapes(self) -> list[Shape]:
+        chains = [Shape(w) for w in range(1, self.max_width + 1)]
+        trees = [Shape(w, tree=True) for w in self.trees.widths] if self.trees is not None else []
+        return chains + [t for t in trees if t.width <= self.cost.max_width]
+
+    def rate(self, shape: Shape, context: int) -> float:
+        """Expected committed tokens per second of this shape."""
+        chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
+        return self._expected(shape, chain) / max(self._seconds(shape, costs), 1e-9)
+
+    def choose(self, context: int) -> Shape:
         self._interval = self._interval or self.probe_interval
-        expected, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        draft = self.draft_seconds or 0.0
-        best = max(
-            range(1, self.max_width + 1),
-            key=lambda w: expected[w - 1] / max(costs[w - 1] + (draft if w > 1 else 0.0), 1e-9),
+        chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
+        ranked = sorted(
+            self.shapes(), key=lambda s: self._expected(s, chain) / max(self._seconds(s, costs), 1e-9), reverse=True
         )
+        best = ranked[0]
         self._probing = False
-        if best > 1:
+        if best.width > 1:
             self._plain_rounds = 0
             self._draft_rounds += 1
-            # Now and then one width wider than the best, to keep its verify cost measured here and now.
-            if best < self.max_width and self._draft_rounds % self.probe_interval == 0:
-                return best + 1
+            if self._draft_rounds % self.probe_interval == 0:
+                return self._probe(best, ranked)
             return best
         self._plain_rounds += 1
         if self._plain_rounds >= self._interval:
             self._plain_rounds = 0
             self._probing = True
-            return min(self.probe_width, self.max_width)
-        return 1
+            return Shape(min(self.probe_width, self.max_width))
+        return best
 
-    def observe_round(self, width: int, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
+    def _probe(self, best: Shape, ranked: list[Shape]) -> Shape:
+        """Now and then another shape than the best, to keep its figures measured here and now: the tree
+        budget seen least while trees are offered (every other probe), else a chain one wider than the best."""
+        if self.trees is not None and (self._draft_rounds // self.probe_interval) % 2:
+            return min((s for s in ranked if s.tree), key=lambda s: self.trees.seen(s.width), default=best)
+        if not best.tree and best.width < self.max_width:
+            return Shape(best.width + 1)
+        return best
+
+    def observe_round(self, shape: Shape, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
         """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
         own (draft and verify run as one queued graph, so they cannot be timed apart without a second
         sync). A width-1 round refines the verify cost; a drafting round's time beyond the verify estimate
-        is its drafting cost (`draft_seconds`: the first such rounds averaged, then an exponential
-        average). Load only ever adds time, so a round cheaper than the estimate pulls it down at least
-        halfway: one slow first round (cold caches, other load) cannot keep drafting switched off.
-        `timed` False: the time is not representative (the draft projected a long backlog of context,
-        such as a prompt's): only the acceptance counts, so no estimate is seeded from it."""
-        if width > 1:
-            self.acceptance.observe(width - 1, accepted)
+        is its drafting cost (`draft_seconds`, or `tree_draft_seconds` for a tree: the first such rounds
+        averaged, then an exponential average). Load only ever adds time, so a round cheaper than the
+        estimate pulls it down at least halfway: one slow first round (cold caches, other load) cannot keep
+        drafting switched off. `timed` False: the time is not representative (the draft projected a long
+        backlog of context, such as a prompt's): only the acceptance counts, so no estimate is seeded from it."""
+        if shape.tree:
+            self.trees.observe(shape.width, accepted + 1)
+        elif shape.width > 1:
+            self.acceptance.observe(shape.width - 1, accepted)
         if timed:
-            if width == 1:
+            if shape.width == 1:
                 self.cost.observe(1, context, seconds)
             else:
-                residual = max(seconds - self.cost.estimate(width, context), 0.0)
-                self._draft_samples += 1
-                weight = 1.0 / self._draft_samples
-                if self.draft_seconds is None:
-                    self.draft_seconds = residual
-                else:
-                    weight = max(weight, 0.5 if residual < self.draft_seconds else 0.1)
-                    self.draft_seconds = (1 - weight) * self.draft_seconds + weight * residual
-        self._judge_probe(width, context)
+                residual = max(seconds - self.cost.estimate(shape.width, context), 0.0)
+                self._observe_draft(shape.tree, residual)
+        self._judge_probe(shape, context)
 
-    def _judge_probe(self, width: int, context: int) -> None:
+    def _observe_draft(self, tree: bool, residual: float) -> None:
+        samples = (self._tree_samples if tree else self._draft_samples) + 1
+        current = self.tree_draft_seconds if tree else self.draft_seconds
+        if current is None:
+            current = residual
+        else:
+            weight = max(1.0 / samples, 0.5 if residual < current else 0.1)
+            current = (1 - weight) * current + weight * residual
+        if tree:
+            self._tree_samples, self.tree_draft_seconds = samples, current
+        else:
+            self._draft_samples, self.draft_seconds = samples, current
+
+    def _judge_probe(self, shape: Shape, context: int) -> None:
         """After a probe (always wider than 1): did it pay? Then probe at the base interval, else back off."""
-        if self._probing and width > 1:
+        if self._probing and shape.width > 1:
             self._probing = False
-            paid = self.rate(width, context) > self.rate(1, context)
+            paid = self.rate(shape, context) > self.rate(Shape(1), context)
             self._interval = self.probe_interval if paid else min(2 * self._interval, self.max_interval)
 
 
-def width_policy(max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None) -> WidthPolicy:
-    """A policy for one generation; acceptance and drafter cost carry over from the pair's previous one."""
+def width_policy(
+    max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None, tree_widths: tuple[int, ...] = ()
+) -> WidthPolicy:
+    """A policy for one generation over chains up to `max_width` and trees of `tree_widths` tokens; acceptance
+    and drafter cost carry over from the pair's previous one."""
+    trees = TreeAcceptance(tuple(tree_widths)) if tree_widths else None
     if previous is not None and previous.max_width == max_width:
+        if trees is not None and previous.trees is not None and previous.trees.widths == trees.widths:
+            trees = previous.trees
         return WidthPolicy(
             cost,
             previous.acceptance,
             previous.draft_seconds,
+            trees=trees,
+            tree_draft_seconds=previous.tree_draft_seconds,
             _interval=previous._interval,
             _draft_samples=previous._draft_samples,
+            _tree_samples=previous._tree_samples,
         )
-    return WidthPolicy(cost, AcceptanceModel(max_width - 1))
+    return WidthPolicy(cost, AcceptanceModel(max_width - 1), trees=trees)
 
 
 def describe(widths: list[int]) -> dict[str, Any]:

@@ -233,10 +233,11 @@ def cmd_generate(args) -> int:
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise GlimmerError("generate: --prompt -: standard input is empty")
-    from .generate import collect, stream_generate
+    from .generate import calibrate, collect, stream_generate
     from .torch_backend.cli import open_backend
 
     pair = open_backend(args, open_pair)
+    calibrate(pair, settings, lambda line: print(f"mlx-glimmer: {line}", file=sys.stderr, flush=True))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}

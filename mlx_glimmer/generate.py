@@ -31,12 +31,20 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
-from .block_policy import VerifyCost, WidthPolicy, cached_verify_cost, calibration_key, describe, width_policy
+from .block_policy import (
+    TREE_WIDTHS,
+    VerifyCost,
+    WidthPolicy,
+    cached_verify_cost,
+    calibration_key,
+    describe,
+    width_policy,
+)
 from .chat_template import has_chat_template
 from .drafters.base import Drafter
 from .errors import GlimmerError
 from .paths import cache_dir
-from .settings import GenerationSettings
+from .settings import AUTO, MAX_TREE_NODES, OFF, GenerationSettings
 from .speculative import DecodeState, TargetModel, generate_steps
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -267,7 +275,10 @@ def prepare_request(
         block_size = drafter.block_size if drafter is not None else 1
     else:
         block_size = min(settings.block_size, widest_width(drafter)) if drafter is not None else settings.block_size
-    policy = auto_policy(pair, drafter) if settings.auto and drafter is not None and drafter.block_size > 1 else None
+    fixed_tree = drafter is not None and drafter.has_marginals and settings.tree not in (AUTO, OFF)
+    policy = None
+    if settings.auto and drafter is not None and drafter.block_size > 1 and not fixed_tree:
+        policy = auto_policy(pair, drafter, settings)
     stats = GenerationStats(
         prompt_tokens=len(tokens),
         drafter_kind=drafter.kind if drafter is not None else "none",
@@ -300,10 +311,16 @@ def _remember(table: dict, owner, value) -> None:
     table[id(owner)] = (weakref.ref(owner, lambda _, k=id(owner): table.pop(k, None)), value)
 
 
-def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
-    """The `auto` width policy for this pair: verify cost measured once per bundle, device, dtype, chip and
-    library version (cached on disk)."""
-    width = drafter.block_size
+def _tree_widths(drafter: Drafter, settings: GenerationSettings) -> tuple[int, ...]:
+    """The tree budgets `auto` may choose: none when the drafter drafts chains only or trees are off."""
+    if not (drafter.has_marginals and settings.tree == AUTO):
+        return ()
+    return tuple(w for w in TREE_WIDTHS if w <= MAX_TREE_NODES + 1)
+
+
+def _verify_cost(pair: GenerationPair, width: int, on_measure: Callable[[str], None] | None = None) -> VerifyCost:
+    """The pair's verify cost up to `width`: in memory, on disk (once per bundle, device, dtype, chip and
+    library version), or measured now (`on_measure` hears it first)."""
     cost = _recall(_COSTS, pair.target)
     if cost is None or cost.max_width != width:
         config = Path(pair.target_path) / "config.json"
@@ -311,9 +328,33 @@ def auto_policy(pair: GenerationPair, drafter: Drafter) -> WidthPolicy:
         key = calibration_key(
             pair.target, Path(pair.target_path).resolve(), stamp, type(pair.target).__name__, pair.device_key
         )
-        cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost")
+        cost = cached_verify_cost(
+            pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost", on_measure
+        )
         _remember(_COSTS, pair.target, cost)
-    policy = width_policy(width, cost, _recall(_POLICIES, drafter))
+    return cost
+
+
+def calibrate(
+    pair: GenerationPair,
+    settings: GenerationSettings = GenerationSettings(),
+    on_measure: Callable[[str], None] | None = None,
+) -> None:
+    """Have the verify cost `auto` needs for `settings` ready now. The first run on a machine times a few
+    widths (about a second on the demo pair); a caller that shows progress calls this after loading and
+    passes `on_measure`, which hears one line before any timing starts. Without it, the first generation
+    measures silently."""
+    drafter = pair.drafter if settings.speculative else None
+    if drafter is not None and settings.auto and drafter.block_size > 1:
+        _verify_cost(pair, max((drafter.block_size, *_tree_widths(drafter, settings))), on_measure)
+
+
+def auto_policy(pair: GenerationPair, drafter: Drafter, settings: GenerationSettings) -> WidthPolicy:
+    """The `auto` policy for this pair, over chain widths and (trees on) tree budgets; acceptance carries over
+    from the drafter's previous generation."""
+    tree_widths = _tree_widths(drafter, settings)
+    cost = _verify_cost(pair, max((drafter.block_size, *tree_widths)))
+    policy = width_policy(drafter.block_size, cost, _recall(_POLICIES, drafter), tree_widths)
     _remember(_POLICIES, drafter, policy)
     return policy
 

@@ -24,13 +24,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from .block_policy import WidthPolicy
+from .block_policy import Shape, WidthPolicy
 from .drafters.base import Drafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import GlimmerError
 from .sampling import pick
-from .settings import OFF, GenerationSettings, SamplingParams
-from .tree import SOURCE_NAMES, DraftTree
+from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
+from .tree import LOOKUP, SOURCE_NAMES, DraftTree
 
 Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
 
@@ -212,15 +212,6 @@ def _resume(
     return 0
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What one round verifies: `width` tokens (the anchor and width - 1 drafts), as a draft tree built from
-    the drafter's per-position distributions merged with the n-gram lookup (`tree`), or as a chain."""
-
-    width: int
-    tree: bool = False
-
-
 @dataclass
 class _Round:
     """One target call queued on the device: what it verifies and what it will return (nothing read yet)."""
@@ -231,6 +222,7 @@ class _Round:
     verdict: Array  # `tree.verdict`'s form: [depth, next token, path marks, sources]
     draft_s: float  # host seconds spent proposing and launching the draft
     timed: bool  # its time can feed the width policy (the draft did not project a long backlog)
+    lookup_offered: int = 0  # nodes of the n-gram branch in the tree
 
     @property
     def width(self) -> int:
@@ -244,6 +236,19 @@ class _Proposers:
     drafter: Drafter
     lookup: PromptLookupDrafter | None
     depth: int  # the deepest draft the drafter proposes (its block minus the anchor)
+    lookup_share: float = 0.5  # of a tree's budget, what the n-gram branch may take (follows its acceptance)
+
+    def lookup_branch(self, anchor: int, budget: int, remaining: int) -> list[int]:
+        """The n-gram continuation after `anchor` for a tree of `budget` nodes, [] when nothing matches."""
+        if self.lookup is None:
+            return []
+        return self.lookup.indexed_lookup(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
+
+    def learn(self, offered: int, kept: int) -> None:
+        """A round offered `offered` lookup nodes and its accepted path held `kept` of them: the branch's share
+        moves toward 1/4 of the budget when it is never kept and 3/4 when it always is."""
+        if offered:
+            self.lookup_share = 0.8 * self.lookup_share + 0.2 * (0.25 + 0.5 * kept / offered)
 
 
 def generate_steps(
@@ -313,7 +318,7 @@ def generate_steps(
         return
     lookup = None
     if trees:
-        lookup = PromptLookupDrafter(draft_k=drafter.block_size - 1, min_ngram=LOOKUP_MIN_NGRAM)
+        lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=LOOKUP_MIN_NGRAM)
         lookup.observe(prompt, None)
     settings = replace(settings, block_size=block_size)
     proposers = _Proposers(drafter, lookup, drafter.block_size - 1)
@@ -325,16 +330,16 @@ def generate_steps(
 LOOKUP_MIN_NGRAM = 2
 
 
-def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, depth: int, params, key):
+def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, remaining: int, params, key):
     """The round's drafts on the device: a tree (the drafter's best prefixes and the lookup's branch) or a
-    chain; and the chain's draft distributions (None: a tree, or drafted deterministically)."""
+    chain; the chain's draft distributions (None: a tree, or drafted deterministically); lookup nodes offered."""
     if shape.tree:
         budget = shape.width - 1
-        found = proposers.lookup.indexed_lookup(anchor, min(depth, budget // 2)) if proposers.lookup else []
-        marginals = proposers.drafter.marginals(anchor, depth)
-        return target.trees.merged_tree(marginals.log_probs, budget, found, marginals.vocab), None
+        found = proposers.lookup_branch(anchor, budget, remaining)
+        marginals = proposers.drafter.marginals(anchor, min(proposers.depth, remaining - 1))
+        return target.trees.merged_tree(marginals.log_probs, budget, found, marginals.vocab), None, len(found)
     draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, key)
-    return target.trees.chain(target.tokens(draft)), draft_probs
+    return target.trees.chain(target.tokens(draft)), draft_probs, 0
 
 
 def _launch(
@@ -354,15 +359,14 @@ def _launch(
     draft's and the verdict's random keys (None when greedy); `remaining`: tokens still to generate."""
     k_draft, k_accept = keys
     tic = time.perf_counter()
-    draft, draft_probs, timed = target.trees.chain(target.tokens([])), None, True
+    draft, draft_probs, timed, offered = target.trees.chain(target.tokens([])), None, True, 0
     inputs = anchor_ids
-    depth = min(proposers.depth, remaining - 1)
-    if shape.width > 1 and depth > 0:
+    if shape.width > 1 and remaining > 1:
         # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
         # this round's time unrepresentative: the policy then learns only its acceptance.
         timed = proposers.drafter.backlog <= block_size
         # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-        draft, draft_probs = _draft(target, proposers, anchor, shape, depth, params, k_draft)
+        draft, draft_probs, offered = _draft(target, proposers, anchor, shape, remaining, params, k_draft)
         target.launch(draft.tokens, draft_probs)
         inputs = target.join(anchor_ids, draft.tokens)
     draft_s = time.perf_counter() - tic
@@ -375,7 +379,7 @@ def _launch(
     else:
         verdict = target.trees.verdict(draft, logits, params, k_accept)
     target.launch(verdict)
-    return _Round(shape, draft, feats, verdict, draft_s, timed)
+    return _Round(shape, draft, feats, verdict, draft_s, timed, offered)
 
 
 def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
@@ -414,6 +418,7 @@ def _commit(
     proposers.drafter.observe(processed, feats)
     if proposers.lookup is not None:
         proposers.lookup.observe(processed, None)
+        proposers.learn(rnd.lookup_offered, sum(1 for source in path.sources if source & LOOKUP))
     state.processed.extend(processed)
     step = Step(
         committed,
@@ -436,7 +441,10 @@ def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: 
         left = settings.max_tokens - generated
         if fixed_tree is not None:
             return fixed_tree if left > 1 else Shape(1)
-        return Shape(min(policy.choose(context) if policy is not None else settings.block_size, left))
+        if policy is None:
+            return Shape(min(settings.block_size, left))
+        shape = policy.choose(context)
+        return shape if shape.tree and left > 1 else Shape(min(shape.width, left))
 
     return shape_for
 
@@ -492,7 +500,7 @@ def _speculative_steps(
             step, depth = _commit(target, state, proposers, rnd, anchor, values, stop)
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
-                policy.observe_round(rnd.width, depth, context, now - last_read, rnd.timed)
+                policy.observe_round(rnd.shape, depth, context, now - last_read, rnd.timed)
             step.verify_s, last_read = max(now - last_read - rnd.draft_s, 0.0), now
             committed = step.tokens
             target.memory.tick(generated, generated + len(committed))

@@ -1,8 +1,8 @@
 """Draft trees on MLX: built, merged, masked and judged on the device, so a round still reads the host once.
 
 One flat form for every draft (`DraftTree`): index 0 is the anchor, nodes 1..N follow with their token, the
-index of their parent (0: the anchor) and their depth; parents come before children, and depth never
-decreases along the index. A chain is the tree whose parents are 0, 1, 2, ...
+index of their parent (0: the anchor) and their depth; parents come before children (in the model's part by
+depth; the n-gram branch follows it). A chain is the tree whose parents are 0, 1, 2, ...
 
 Best-first construction (DDTree). A block drafter gives, from one forward, a log-probability per draft
 position; a prefix of depth d scores the sum of its tokens' log-probabilities, so a prefix never scores
@@ -91,31 +91,35 @@ def chain(tokens: mx.array, source: int = MODEL) -> DraftTree:
 
 def best_first(log_probs: mx.array, budget: int, vocab: mx.array | None = None) -> tuple[mx.array, ...]:
     """The `budget` best prefixes over per-position log-probabilities [D, V] (rows: draft positions 1..D), as
-    (tokens, parents, depths), parents first. `vocab` maps column ids to token ids (a drafter's own vocabulary)."""
+    (tokens, parents, depths), parents first (by depth, then score). `vocab` maps column ids to token ids (a
+    drafter's own vocabulary). Fewer when fewer prefixes exist (a vocabulary smaller than the budget)."""
     depth_count, width = log_probs.shape
-    beam = min(budget, width)
-    budget = min(budget, beam * depth_count)
+    top = min(budget, width)  # a prefix's children worth keeping: its position's `top` likeliest tokens
+    budget = min(budget, sum(min(budget, top ** (d + 1)) for d in range(depth_count)))
     ids = (
-        mx.argpartition(-log_probs, beam - 1, axis=-1)[:, :beam]
-        if beam < width
+        mx.argpartition(-log_probs, top - 1, axis=-1)[:, :top]
+        if top < width
         else mx.broadcast_to(mx.arange(width)[None], (depth_count, width))
     )
     vals = mx.minimum(mx.take_along_axis(log_probs.astype(mx.float32), ids, axis=-1), _TOP)
-    order = mx.argsort(-vals[0])
-    scores, toks, backs = [vals[0][order]], [ids[0][order]], [mx.zeros((beam,), mx.int32)]
+    first = mx.argsort(-vals[0])
+    missing = budget - top if budget > top else 0  # the beam is `budget` wide; depth 1 has only `top` prefixes
+    pad = mx.full((missing,), -mx.inf, mx.float32)
+    scores = [mx.concatenate([vals[0][first], pad])]
+    toks = [mx.concatenate([ids[0][first], mx.zeros((missing,), ids.dtype)])]
+    backs = [mx.zeros((budget,), mx.int32)]
     for d in range(1, depth_count):
         candidates = (scores[-1][:, None] + vals[d][None, :]).reshape(-1)
-        order = mx.argsort(-candidates)[:beam]
+        order = mx.argsort(-candidates)[:budget]
         scores.append(candidates[order])
-        toks.append(ids[d][order % beam])
-        backs.append((order // beam).astype(mx.int32))
-    flat_scores = mx.concatenate(scores)
-    chosen = mx.sort(mx.argsort(-flat_scores)[:budget])  # by depth, then beam rank: parents first
-    node_depth = (chosen // beam).astype(mx.int32)
+        toks.append(ids[d][order % top])
+        backs.append((order // top).astype(mx.int32))
+    chosen = mx.sort(mx.argsort(-mx.concatenate(scores))[:budget])  # by depth, then beam rank: parents first
+    node_depth = (chosen // budget).astype(mx.int32)
     tokens = mx.concatenate(toks)[chosen]
-    index_of = mx.zeros((depth_count * beam,), mx.int32)
+    index_of = mx.zeros((depth_count * budget,), mx.int32)
     index_of[chosen] = mx.arange(1, budget + 1, dtype=mx.int32)
-    parent_slot = mx.maximum(node_depth - 1, 0) * beam + mx.concatenate(backs)[chosen]
+    parent_slot = mx.maximum(node_depth - 1, 0) * budget + mx.concatenate(backs)[chosen]
     parents = mx.where(node_depth == 0, 0, index_of[parent_slot])
     if vocab is not None:
         tokens = vocab[tokens]

@@ -8,7 +8,15 @@ import pytest
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
-from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy, band_of, measure_verify_cost
+from mlx_glimmer.block_policy import (
+    MEASURED_WIDTHS,
+    AcceptanceModel,
+    Shape,
+    VerifyCost,
+    WidthPolicy,
+    band_of,
+    measure_verify_cost,
+)
 from mlx_glimmer.cli import main
 
 PROMPT = [256] + list(b"Once upon a time, in a land far away")
@@ -25,13 +33,15 @@ def run(policy: WidthPolicy, accept_prob: float, rounds: int, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     widths = []
     for _ in range(rounds):
-        w = policy.choose(100)
+        shape = policy.choose(100)
+        assert not shape.tree  # chains only: the policy was offered no tree budgets
+        w = shape.width
         widths.append(w)
         kept = 0
         while kept < w - 1 and rng.random() < accept_prob:
             kept += 1
         # The loop times a round as a whole: the verify at this width, plus 0.2 s of drafting when it drafted.
-        policy.observe_round(w, kept, 100, seconds=policy.cost.estimate(w, 100) + (0.2 if w > 1 else 0.0))
+        policy.observe_round(shape, kept, 100, seconds=policy.cost.estimate(w, 100) + (0.2 if w > 1 else 0.0))
     return widths
 
 
@@ -84,8 +94,15 @@ def test_cost_bands_and_measurement(muse_pair):
     assert [band_of(c) for c in (0, 511, 512, 5000, 10**6)] == [0, 0, 1, 2, 3]
     cost = measure_verify_cost(muse_pair.target, 4, muse_pair.target.vocab_size, contexts=(8,), repeats=1)
     row = cost.seconds[0]
-    assert all(s is not None and s > 0 for s in row)
+    # MEASURED_WIDTHS below max_width, and max_width itself; the widths between are interpolated
+    assert [w for w in range(1, 5) if row[w - 1] is not None] == [w for w in MEASURED_WIDTHS if w < 4] + [4]
+    assert all(s > 0 for s in row if s is not None)
+    assert cost.estimate(3, 8) > 0 and cost._raw(3, 8) == pytest.approx((row[1] + row[3]) / 2)
+    assert all(r == [None] * 4 for r in cost.seconds[1:])  # one context measured
     assert cost.estimate(3, 3000) > 0  # an unmeasured band borrows the nearest measured one
+    default = measure_verify_cost(muse_pair.target, 6, muse_pair.target.vocab_size, repeats=0)
+    assert [w for w in range(1, 7) if default.seconds[0][w - 1] is not None] == [1, 2, 4, 6]
+    assert all(r == [None] * 6 for r in default.seconds[1:])  # the default measures one short context only
 
 
 def test_auto_greedy_equals_plain_with_random_and_agreeing_drafters(muse_pair):
@@ -134,10 +151,10 @@ def test_a_noisy_cost_table_cannot_make_plain_look_dearer_than_a_wider_verify():
 def test_a_round_that_projects_a_long_backlog_seeds_no_estimate():
     cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
     policy = WidthPolicy(cost, AcceptanceModel(3))
-    policy.observe_round(4, 3, 100, seconds=50.0, timed=False)
+    policy.observe_round(Shape(4), 3, 100, seconds=50.0, timed=False)
     assert policy.draft_seconds is None and cost.counts[0] == [0, 0, 0, 0]
     assert policy.acceptance.offered[0] == 1.0  # its acceptance still counts
-    policy.observe_round(4, 3, 100, seconds=1.5)
+    policy.observe_round(Shape(4), 3, 100, seconds=1.5)
     assert policy.draft_seconds == 1.5 - 1.3
 
 
@@ -145,13 +162,13 @@ def test_one_slow_first_round_does_not_keep_drafting_off():
     """Load only adds time: rounds cheaper than the draft estimate pull it down fast."""
     cost = VerifyCost(4, [[1.0, 1.1, 1.2, 1.3] for _ in range(4)])
     policy = WidthPolicy(cost, AcceptanceModel(3))
-    policy.observe_round(4, 3, 100, seconds=1.3 + 20.0)  # a cold first round: 20 s of "drafting"
+    policy.observe_round(Shape(4), 3, 100, seconds=1.3 + 20.0)  # a cold first round: 20 s of "drafting"
     assert policy.draft_seconds == pytest.approx(20.0)
     for _ in range(6):
-        policy.observe_round(4, 3, 100, seconds=1.3 + 0.2)
+        policy.observe_round(Shape(4), 3, 100, seconds=1.3 + 0.2)
     assert policy.draft_seconds < 0.6
-    assert policy.choose(100) > 1
+    assert policy.choose(100).width > 1
     for _ in range(50):  # and a spike later moves it only a little
-        policy.observe_round(4, 3, 100, seconds=1.5)
-    policy.observe_round(4, 3, 100, seconds=1.3 + 5.0)
+        policy.observe_round(Shape(4), 3, 100, seconds=1.5)
+    policy.observe_round(Shape(4), 3, 100, seconds=1.3 + 5.0)
     assert policy.draft_seconds < 0.2 + 0.1 * 5.0 + 1e-9

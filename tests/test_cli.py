@@ -218,3 +218,17 @@ def test_distill_steps_help_names_the_recipe_default():
     steps = next(a for a in distill._actions if a.dest == "steps")
     assert steps.default == TrainConfig.steps and f"(default {TrainConfig.steps})" in steps.help
     assert "one answer each" not in steps.help
+
+
+def test_a_first_run_says_it_is_measuring_verify_cost_and_the_next_does_not(bundle, capsys, monkeypatch, tmp_path):
+    """`auto` times a few verify widths once per model and chip; the first run says so on stderr before it
+    waits, and the table it wrote spares the next run the wait."""
+    monkeypatch.setenv("MLX_GLIMMER_CACHE", str(tmp_path))
+    args = ["generate", str(bundle), "--prompt", "Hi", "--max-tokens", "4", "--json"]
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert "measuring verify cost" in first.err
+    json.loads(first.out)  # stdout stays the JSON object alone
+    assert list((tmp_path / "verify_cost").glob("*.json"))
+    assert main(args) == 0
+    assert "measuring verify cost" not in capsys.readouterr().err

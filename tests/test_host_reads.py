@@ -12,7 +12,7 @@ import pytest
 import torch
 from oracle_drafter import OracleDrafter
 
-from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
+from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, Shape, VerifyCost, WidthPolicy, width_policy
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
@@ -84,7 +84,7 @@ class AlwaysPlain:
     """A width policy that never drafts: every round is a width-1 round of the drafting loop."""
 
     def choose(self, context):
-        return 1
+        return Shape(1)
 
     def observe_round(self, *args):
         pass
@@ -158,6 +158,37 @@ def test_auto_mixing_plain_rounds_and_probes_reads_once_per_round(muse_pair, pla
     widths = {s.drafted + 1 for s in steps[1:]}
     assert 1 in widths and len(widths) > 1, widths
     assert all(len(p) == 1 for p in per[1:]), per
+    if params.greedy:
+        assert tokens_of(steps) == plain
+
+
+def tree_policy() -> WidthPolicy:
+    """`auto` over chains up to the drafter's 16 and tree budgets up to 32, on a flat verify cost: wide shapes win,
+    trees among them."""
+    return width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("tree", ["auto", 15])
+def test_a_tree_round_blocks_on_the_host_once(muse_pair, plain, blocking, params, tree):
+    """The default path (block size and tree "auto", the policy choosing chains and trees) and a fixed tree: the
+    tree is built, merged with the lookup, verified and walked on the device; one read per round."""
+    seam = Seam(muse_pair.target)
+    steps, seen, per_seam, per_blocking = [], (0, 0), [], []
+    for step in generate_steps(
+        seam,
+        PROMPT,
+        GenerationSettings(params, max_tokens=80, tree=tree),
+        drafter=muse_pair.drafter,
+        policy=tree_policy() if tree == "auto" else None,
+    ):
+        steps.append(step)
+        per_seam.append(seam.events[seen[0] :])
+        per_blocking.append(blocking[seen[1] :])
+        seen = (len(seam.events), len(blocking))
+    assert sum(s.tree for s in steps) > 3, [s.drafted for s in steps]
+    assert all(p.count("read") == 1 and "sync" not in p for p in per_seam[1:]), per_seam
+    assert all(p == ["tolist"] for p in per_blocking[1:]), per_blocking
     if params.greedy:
         assert tokens_of(steps) == plain
 

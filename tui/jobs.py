@@ -14,7 +14,8 @@ from typing import Callable
 from textual.message import Message
 
 from mlx_glimmer.errors import GlimmerError
-from mlx_glimmer.generate import GenerationStats
+from mlx_glimmer.generate import GenerationStats, calibrate
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import DecodeState
 
 from .pacing import Pacer
@@ -30,6 +31,14 @@ class Loaded(Message):
     def __init__(self, pair):
         super().__init__()
         self.pair = pair
+
+
+class Measuring(Message):
+    """Loaded, and timing the verify widths `auto` needs before the first answer (the first run on a machine)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
 
 class Failed(Message):
@@ -95,9 +104,10 @@ class ModelJobs:
 
     # --- on the UI thread ------------------------------------------------------------
 
-    def load(self, load: Callable[[], object]) -> None:
+    def load(self, load: Callable[[], object], settings: GenerationSettings) -> None:
+        """Load the pair, then have the verify cost `settings` need ready (`Measuring` says when it is timed)."""
         self.busy = True
-        self.mlx.submit(lambda: self._load_job(load))
+        self.mlx.submit(lambda: self._load_job(load, settings))
 
     def turn(self, messages: list[dict], kwargs: dict, settings: Settings) -> None:
         """Generate the next answer; `settings` (frozen) is what the turn is saved with."""
@@ -135,9 +145,10 @@ class ModelJobs:
 
     # --- on the MLX thread -----------------------------------------------------------
 
-    def _load_job(self, load: Callable[[], object]) -> None:
+    def _load_job(self, load: Callable[[], object], settings: GenerationSettings) -> None:
         try:
             pair = load()
+            calibrate(pair, settings, lambda text: self.post(Measuring(text)))
         except Exception as e:
             self.post(Failed(describe_error(e), loading=True))
         else:

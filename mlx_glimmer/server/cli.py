@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from ..errors import GlimmerError
 from ..flags import add_drafter_flags, add_sampling_flags, positive_int, settings_from_args
@@ -97,7 +98,11 @@ def cmd_serve(args, open_pair) -> int:
     from .app import serve
 
     def load_pair():
-        return open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+        from ..generate import calibrate
+
+        pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+        calibrate(pair, defaults, lambda line: print(f"mlx-glimmer serve: {line}", file=sys.stderr, flush=True))
+        return pair
 
     serve(
         load_pair,

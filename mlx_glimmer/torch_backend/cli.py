@@ -6,12 +6,24 @@ works where they are not installed, and a torch command then says so.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from ..errors import GlimmerError
-from ..flags import positive_int
+from ..flags import positive_int, tree_arg
+from ..settings import AUTO
+
+PARITY_TREE = 15  # draft-tree nodes per round in `parity` by default: a fixed shape both backends verify alike
+
+
+def parity_tree_arg(text: str) -> int | str:
+    """`--tree` for parity: 'off' or N ('auto' chooses by timings, which differ between backends)."""
+    tree = tree_arg(text)
+    if tree == AUTO:
+        raise argparse.ArgumentTypeError("'auto' cannot be compared across backends: give N or 'off'")
+    return tree
 
 
 def add_backend_flags(p) -> None:
@@ -104,6 +116,13 @@ def add_parity_parser(sub) -> None:
         "--full", action="store_true", help="the full check: 8 prompts x 128 tokens (~20 min on a 2-core CPU)"
     )
     p.add_argument("--block-size", type=positive_int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument(
+        "--tree",
+        type=parity_tree_arg,
+        default=PARITY_TREE,
+        help=f"draft-tree nodes per round on both backends, or 'off' for chains (default {PARITY_TREE}; 'auto' "
+        "is refused: its choices follow timings, which differ between the backends)",
+    )
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, without the chat template")
     add_torch_flags(p)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the whole report (token ids too) as JSON")
@@ -128,6 +147,7 @@ def cmd_parity(args, open_pair) -> int:
         prompts,
         max_tokens=max_tokens,
         block_size=args.block_size,
+        tree=args.tree,
         chat=not args.no_chat,
         source=str(args.bundle),
         log=lambda line: print(line.splitlines()[0], file=sys.stderr, flush=True),

@@ -5,13 +5,15 @@ transformers' `DFlashCache` protocol (the one its DFlash candidate generator
 uses): tell the cache how many context positions come in, crop the previous
 block's K/V, pass absolute position ids. The block may be shorter than
 `block_size` (the loop asks for fewer at the end). Drafting from the block's
-logits (`draft_logits`, `propose`) is `DFlashDrafter`'s, on torch arrays.
+logits (`draft_logits`, `propose`) is `DFlashDrafter`'s, on torch arrays;
+`marginals` (a draft tree's material) is its torch twin.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..drafters.base import Marginals
 from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashDrafter
 from .target import TorchTarget, cache_keyword
@@ -78,3 +80,8 @@ class TorchDFlashDrafter(DFlashDrafter):
         self._pending, self._pending_len = [], 0
         self._block = count + 1
         return out.last_hidden_state[0]
+
+    def marginals(self, anchor: int, count: int) -> Marginals:
+        """Log-probabilities [count, V'] of the draft positions after `anchor`, from one forward."""
+        logits = self.draft_logits(self.block_hidden(anchor, count)[1:]).float()
+        return Marginals(torch.log_softmax(logits, dim=-1), self.draft_vocab)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..divergence import REL_TOL, coarser, first_divergence, margins, mlx_dtype
 from ..errors import GlimmerError
+from ..settings import AUTO, OFF, GenerationSettings
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts_heldout.jsonl"
 RUNS = ("mlx plain", "mlx spec", "torch plain", "torch spec")
@@ -89,12 +90,16 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def run_tokens(pair, ids, speculative: bool, max_tokens: int, block_size: int | None) -> tuple[list[int], int]:
-    """Greedy tokens (a stop token included) and the number of target forwards after prefill, on either backend."""
-    from ..settings import AUTO, GenerationSettings
+def run_tokens(
+    pair, ids, speculative: bool, max_tokens: int, block_size: int | None, tree: int | str = OFF
+) -> tuple[list[int], int]:
+    """Greedy tokens (a stop token included) and the number of target forwards after prefill, on either backend:
+    chains of `block_size` (None: the drafter's), or a draft tree of `tree` nodes every round."""
     from ..speculative import generate_steps
 
-    settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size or AUTO, speculative=speculative)
+    settings = GenerationSettings(
+        max_tokens=max_tokens, block_size=block_size or AUTO, speculative=speculative, tree=tree
+    )
     steps = list(
         generate_steps(pair.target, ids, settings, drafter=pair.drafter, stop_ids=pair.tokenizer.eos_token_ids)
     )
@@ -166,6 +171,7 @@ def run_parity(
     *,
     max_tokens: int = 128,
     block_size: int | None = None,
+    tree: int | str = OFF,
     chat: bool = True,
     source: str = "",
     log=None,
@@ -187,14 +193,15 @@ def run_parity(
                 continue
             tic = time.perf_counter()
             result.tokens[name], result.rounds[name] = run_tokens(
-                mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens, block_size
+                mlx_pair if backend == "mlx" else torch_pair, ids, mode == "spec", max_tokens, block_size, tree
             )
             result.seconds[name] = time.perf_counter() - tic
         compare(result, ids, backends, dtypes, detok)
         results.append(result)
         if log is not None:
             log(format_prompt(result))
-    drafter = f"{mlx_pair.drafter.kind} (block {block_size or mlx_pair.drafter.block_size})" if speculative else "none"
+    shape = f"tree of {tree}" if tree != OFF else f"block {block_size or mlx_pair.drafter.block_size}"
+    drafter = f"{mlx_pair.drafter.kind} ({shape})" if speculative else "none"
     return ParityReport(
         source=source,
         mlx=f"mlx {mlx_device()}, {dtypes['mlx']}",

@@ -12,6 +12,14 @@ since its last `crop`, and `crop(-n)` drops the newest n and shrinks the layer
 back to `window - 1` entries, so it restores the window before rejected tokens
 at any length, past the window too. `forward` crops by 0 first (the shrink
 alone), so what one forward wrote stays undoable until the next one.
+
+Draft trees (`tree.py`, the torch `TreeOps`): `forward(..., tree=...)` passes
+each token's position (cache length + depth) as `position_ids` and the tree's
+mask as a custom 4D additive mask, which transformers models take as their
+`attention_mask` as is; a model with sliding layers (Muse Glimmer, Gemma-style
+hybrids) takes a dict {layer type: mask} instead, one mask per kind of layer,
+so sliding layers see only their window. `keep` then moves the accepted
+path's rows into place in every layer and crops the rest, as `trim` does.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch.nn.functional as F
 from ..memory import NO_MEMORY
 from ..target import output_head
 from . import sampling as torch_sampling
+from . import tree as torch_tree
 from .device import peak_memory_gb, reset_peak_memory, synchronize
 
 
@@ -35,6 +44,7 @@ def cache_keyword(forward) -> str:
 
 class TorchTarget:
     sampling = torch_sampling
+    trees = torch_tree
     memory = NO_MEMORY  # wired limits and clear_cache are MLX-on-Metal settings
     lazy = False  # every call computes at once (CUDA queues kernels by itself): drafts are proposed when needed
 
@@ -105,17 +115,66 @@ class TorchTarget:
         if n > 0:
             cache.crop(-n)
 
+    @torch.inference_mode()
+    def keep(self, cache, positions: list[int], width: int) -> None:
+        """After a verify of `width` positions, keep `positions` of them (ascending) in order; drop the rest."""
+        kept = len(positions)
+        if positions != list(range(kept)):
+            for layer in cache.layers:
+                if not getattr(layer, "is_initialized", False):
+                    continue
+                base = layer.keys.shape[-2] - width
+                rows = torch.as_tensor(positions, device=layer.keys.device) + base
+                layer.keys[..., base : base + kept, :] = layer.keys[..., rows, :]
+                layer.values[..., base : base + kept, :] = layer.values[..., rows, :]
+        self.trim(cache, width - kept)
+
+    def tree_mask(self, tree: torch_tree.DraftTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The tree verify's attention mask after `past` cached positions, as the decoder takes it: a 4D
+        additive mask [1, 1, N + 1, keys], or, where some layers slide, one per layer type. A sliding layer's
+        cache holds at most `window - 1` positions when a forward starts (`forward` crops by 0 first)."""
+        implementation = getattr(self.config, "_attn_implementation", None) or "eager"
+        if implementation not in ("eager", "sdpa"):
+            raise ValueError(f"draft trees need eager or sdpa attention on torch, not {implementation}")
+        dtype = self.activation_dtype
+
+        def additive(before: int, window: int | None) -> torch.Tensor:
+            seen = torch_tree.attention_mask(tree, before, window).to(self.device)
+            zero = torch.zeros((), dtype=dtype, device=self.device)
+            return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
+
+        kinds = set(getattr(self.config, "layer_types", None) or ())
+        if "sliding_attention" not in kinds:
+            return additive(past, None)
+        window = int(self.config.sliding_window)
+        masks = {"sliding_attention": additive(min(past, window - 1), window)}
+        for kind in kinds - {"sliding_attention"}:
+            if kind != "full_attention":
+                raise ValueError(f"draft trees on torch support full and sliding attention layers, not {kind}")
+            masks[kind] = additive(past, None)
+        return masks
+
     def tokens(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens, cache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`tokens` [L] -> final hidden states [L, H] and captured features [L, k*H] (or None)."""
-        if cache.get_seq_length():
+    def forward(
+        self, tokens, cache, capture: bool, tree: torch_tree.DraftTree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`tokens` [L] -> final hidden states [L, H] and captured features [L, k*H] (or None). With `tree`,
+        `tokens` are [anchor, nodes] and each attends to the cache and its ancestors only, at the anchor's
+        position plus its depth."""
+        past = cache.get_seq_length()
+        if past:
             cache.crop(0)
+        extra = {}
+        if tree is not None:
+            extra["position_ids"] = (past + tree.depths.to(self.device))[None]
+            extra["attention_mask"] = self.tree_mask(tree, past)
         self._recording = {} if capture and self.layer_ids else None
         try:
-            out = self.decoder(input_ids=self.tokens(tokens)[None], use_cache=True, **{self.cache_kw: cache})
+            ids = self.tokens(tokens)[None]
+            out = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}, **extra)
             feats = None
             if self._recording is not None:
                 feats = torch.cat([self._recording[i][0] for i in self.layer_ids], dim=-1)

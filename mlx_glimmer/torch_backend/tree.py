@@ -71,33 +71,35 @@ def chain(tokens: torch.Tensor, source: int = MODEL) -> DraftTree:
 
 def best_first(log_probs: torch.Tensor, budget: int, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The `budget` best prefixes over per-position log-probabilities [D, V] (rows: draft positions 1..D), as
-    (tokens, parents, depths), parents first. `vocab` maps column ids to token ids (a drafter's own vocabulary)."""
+    (tokens, parents, depths), parents first (by depth, then score). `vocab` maps column ids to token ids (a
+    drafter's own vocabulary). Fewer when fewer prefixes exist (a vocabulary smaller than the budget)."""
     device = log_probs.device
     depth_count, width = log_probs.shape
-    beam = min(budget, width)
-    budget = min(budget, beam * depth_count)
+    top = min(budget, width)
+    budget = min(budget, sum(min(budget, top ** (d + 1)) for d in range(depth_count)))
     log_probs = log_probs.float()
-    if beam < width:
-        vals, ids = torch.topk(log_probs, beam, dim=-1)
+    if top < width:
+        vals, ids = torch.topk(log_probs, top, dim=-1)
     else:
         vals, ids = log_probs, torch.arange(width, device=device)[None].expand(depth_count, width)
     vals = vals.clamp(max=_TOP)
-    order = torch.argsort(-vals[0], stable=True)
-    scores, toks = [vals[0][order]], [ids[0][order]]
-    backs = [torch.zeros(beam, dtype=torch.long, device=device)]
+    first = torch.argsort(-vals[0], stable=True)
+    missing = max(budget - top, 0)
+    scores = [torch.cat([vals[0][first], torch.full((missing,), -torch.inf, device=device)])]
+    toks = [torch.cat([ids[0][first], torch.zeros(missing, dtype=ids.dtype, device=device)])]
+    backs = [torch.zeros(budget, dtype=torch.long, device=device)]
     for d in range(1, depth_count):
         candidates = (scores[-1][:, None] + vals[d][None, :]).reshape(-1)
-        order = torch.argsort(-candidates, stable=True)[:beam]
+        order = torch.argsort(-candidates, stable=True)[:budget]
         scores.append(candidates[order])
-        toks.append(ids[d][order % beam])
-        backs.append(order // beam)
-    flat_scores = torch.cat(scores)
-    chosen = torch.sort(torch.argsort(-flat_scores, stable=True)[:budget]).values  # by depth, then beam rank
-    node_depth = chosen // beam
+        toks.append(ids[d][order % top])
+        backs.append(order // top)
+    chosen = torch.sort(torch.argsort(-torch.cat(scores), stable=True)[:budget]).values  # by depth, then rank
+    node_depth = chosen // budget
     tokens = torch.cat(toks)[chosen]
-    index_of = torch.zeros(depth_count * beam, dtype=torch.long, device=device)
+    index_of = torch.zeros(depth_count * budget, dtype=torch.long, device=device)
     index_of[chosen] = torch.arange(1, budget + 1, device=device)
-    parent_slot = torch.clamp(node_depth - 1, min=0) * beam + torch.cat(backs)[chosen]
+    parent_slot = torch.clamp(node_depth - 1, min=0) * budget + torch.cat(backs)[chosen]
     parents = torch.where(node_depth == 0, 0, index_of[parent_slot])
     if vocab is not None:
         tokens = vocab.to(device).long()[tokens]

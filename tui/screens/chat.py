@@ -19,7 +19,7 @@ from mlx_glimmer.chat_template import supports_reasoning
 
 from ..chat_history import SavesChanged
 from ..commands import CommandError, is_command, prompt_text, run_command
-from ..jobs import Failed, Finished, Loaded, Progress, Rebuilt
+from ..jobs import Failed, Finished, Loaded, Measuring, Progress, Rebuilt
 from ..session import Settings, Turn
 from ..stats import last_stats
 from ..status import model_names, status_line
@@ -62,9 +62,12 @@ class ChatScreen(Screen):
             await self.open_conversation(app.resume)
         self.note(f"Loading {app.source}…", "info")
         self.set_status(f"loading {app.source}…")
-        app.jobs.load(app.load_pair)
+        app.jobs.load(app.load_pair, app.settings.generation)
 
     # --- what the MLX thread and the save queue report ---------------------------------
+
+    def on_measuring(self, message: Measuring) -> None:
+        self.set_status(message.text + "…")
 
     def on_loaded(self, message: Loaded) -> None:
         app, jobs, history = self.app, self.app.jobs, self.app.chat_history

@@ -1,0 +1,229 @@
+"""Draft trees on torch: the same trees, masks and verdicts as MLX; a tree verify is the chains it holds."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mlx_glimmer import tree as mlx_tree
+from mlx_glimmer.drafters.base import Drafter, Marginals
+from mlx_glimmer.settings import GenerationSettings, SamplingParams
+from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.torch_backend import load_torch
+from mlx_glimmer.torch_backend import tree as torch_tree
+
+PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several Muse windows of 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def muse(checkpoints):
+    return load_torch(target=checkpoints["muse"], drafter=checkpoints["assistant"], device="cpu")
+
+
+def tokens_of(steps):
+    return [t for s in steps for t in s.tokens]
+
+
+def random_tree(seed: int, max_depth: int, vocab: int = 272) -> torch_tree.DraftTree:
+    """A bushy tree, parents first, depth never decreasing along the index: 1 to 3 nodes a depth."""
+    rng = np.random.default_rng(seed)
+    parents, depths, previous = [], [], [0]
+    for d in range(1, max_depth + 1):
+        level = []
+        for _ in range(int(rng.integers(1, 4))):
+            parents.append(int(rng.choice(previous)))
+            depths.append(d)
+            level.append(len(parents))
+        previous = level
+    parents_t = torch.tensor(parents)
+    return torch_tree.DraftTree(
+        torch.tensor(rng.integers(0, vocab, len(parents))),
+        parents_t,
+        torch.tensor([0] + depths),
+        torch.full((len(parents),), torch_tree.MODEL),
+        torch_tree.ancestor_matrix(parents_t, max_depth),
+        max_depth,
+    )
+
+
+def path_to(tree, node: int) -> list[int]:
+    """[0, ..., node]: the positions from the anchor to `node`."""
+    path = [node]
+    while path[-1]:
+        path.append(int(tree.parents[path[-1] - 1]))
+    return path[::-1]
+
+
+def as_mlx(tree: torch_tree.DraftTree) -> mlx_tree.DraftTree:
+    return mlx_tree.DraftTree(
+        *(mx.array(getattr(tree, f).numpy()) for f in ("tokens", "parents", "depths", "sources", "ancestors")),
+        tree.max_depth,
+        tree.chain,
+    )
+
+
+def test_trees_masks_and_verdicts_equal_mlx():
+    rng = np.random.default_rng(0)
+    log_probs = rng.standard_normal((6, 40)).astype(np.float32) * 3
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    vocab = np.arange(100, 140, dtype=np.int32)
+    for budget, lookup, vocab_map in ((9, [], None), (12, [7, 3, 9], None), (63, [1, 2], vocab), (4, [5] * 6, None)):
+        lookup = [int(vocab[t]) if vocab_map is not None else t for t in lookup]
+        ours = torch_tree.merged_tree(
+            torch.from_numpy(log_probs), budget, lookup, None if vocab_map is None else torch.from_numpy(vocab_map)
+        )
+        theirs = mlx_tree.merged_tree(
+            mx.array(log_probs), budget, lookup, None if vocab_map is None else mx.array(vocab_map)
+        )
+        for field in ("tokens", "parents", "depths", "sources", "ancestors"):
+            assert getattr(ours, field).tolist() == np.array(getattr(theirs, field)).tolist(), (budget, field)
+        assert (ours.max_depth, ours.chain) == (theirs.max_depth, theirs.chain)
+        for before, window in ((0, None), (5, None), (3, 4), (20, 8)):
+            mask = torch_tree.attention_mask(ours, before, window)
+            assert mask.tolist() == np.array(mlx_tree.attention_mask(theirs, before, window)).tolist()
+        logits = rng.standard_normal((ours.size + 1, 300)).astype(np.float32)
+        logits[1:, ours.tokens.numpy()] += 5.0  # some nodes agree with their parent's choice
+        greedy = SamplingParams(0.0)
+        ours_verdict = torch_tree.verdict(ours, torch.from_numpy(logits), greedy, None)
+        assert ours_verdict.tolist() == np.array(mlx_tree.verdict(theirs, mx.array(logits), greedy, None)).tolist()
+        path = torch_tree.read_path(ours_verdict.tolist(), ours.size)
+        assert path.positions == path_to(ours, path.positions[-1])
+    chain = torch_tree.chain(torch.tensor([4, 5, 6]))
+    judged = torch.tensor([2, 9])
+    assert torch_tree.chain_verdict(chain, judged).tolist() == [2, 9, 1, 1, 1, 0, 1, 1, 1]
+
+
+def test_sampled_choices_share_noise_by_depth_and_follow_the_filtered_distribution():
+    tree = random_tree(3, 4, vocab=32)
+    rng = np.random.default_rng(1)
+    row = torch.from_numpy(rng.standard_normal(32).astype(np.float32) * 2)
+    logits = row.expand(tree.size + 1, 32).clone()
+    params = SamplingParams(0.8, top_k=20)
+    gen = torch.Generator().manual_seed(0)
+    draws = []
+    for _ in range(2000):
+        chosen = torch_tree.choices(logits, tree, params, gen)
+        for d in range(tree.max_depth + 1):  # one noise row per depth: equal logits, equal choices
+            assert len(set(chosen[tree.depths == d].tolist())) == 1
+        draws.append(int(chosen[0]))
+    probs = torch_tree.sampling.probabilities(row[None], params)[0].double().numpy()
+    observed = np.bincount(draws, minlength=32)
+    assert observed[probs == 0].sum() == 0
+    keep = probs * len(draws) >= 5
+    obs, exp = observed[keep], probs[keep] * len(draws)
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_a_tree_verify_gives_every_node_the_logits_of_its_path_as_a_chain_far_past_the_window(muse):
+    target = muse.target
+    window = target.config.sliding_window
+    assert window == 8 and "full_attention" in target.config.layer_types
+    tree = random_tree(0, max_depth=11)  # deeper than the window: ancestors fall out of sliding layers
+    prefix, anchor = PROMPT[:-1], PROMPT[-1]
+
+    def prefilled():
+        cache = target.make_cache()
+        target.forward(prefix, cache, capture=False)
+        return cache
+
+    cache = prefilled()
+    tokens = torch.cat([torch.tensor([anchor]), tree.tokens])
+    hidden, _ = target.forward(tokens, cache, capture=False, tree=tree)
+    tree_logits = target.head(hidden)
+    assert cache.get_seq_length() == len(prefix) + tree.size + 1
+    for node in range(tree.size + 1):
+        path = path_to(tree, node)
+        chain_hidden, _ = target.forward(tokens[path], prefilled(), capture=False)
+        np.testing.assert_allclose(
+            tree_logits[node].numpy(), target.head(chain_hidden[-1]).numpy(), atol=1e-4, rtol=1e-4
+        )
+
+    # Keep one deep path whose positions are not a prefix of the verify: the cache is then the chain's.
+    deepest = [i for i in range(tree.size + 1) if tree.depths[i] == tree.max_depth]
+    path = max((path_to(tree, n) for n in deepest), key=lambda p: p != list(range(len(p))))
+    assert path != list(range(len(path)))
+    target.keep(cache, path, tree.size + 1)
+    reference = prefilled()
+    target.forward(tokens[path], reference, capture=False)
+    assert cache.get_seq_length() == reference.get_seq_length() == len(prefix) + len(path)
+    for token in (3, 77, 150, 9, 200, 41, 12, 8, 99, 5):  # on past another window
+        ours, _ = target.forward([token], cache, capture=False)
+        expected, _ = target.forward([token], reference, capture=False)
+        np.testing.assert_allclose(target.head(ours).numpy(), target.head(expected).numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_verify_on_llama_takes_one_mask(checkpoints):
+    target = load_torch(target=checkpoints["llama"], device="cpu").target
+    tree = random_tree(5, max_depth=4)
+    cache = target.make_cache()
+    target.forward(PROMPT[:-1], cache, capture=False)
+    tokens = torch.cat([torch.tensor([PROMPT[-1]]), tree.tokens])
+    hidden, _ = target.forward(tokens, cache, capture=False, tree=tree)
+    for node in (tree.size, tree.size // 2):
+        reference = target.make_cache()
+        chain_hidden, _ = target.forward(PROMPT[:-1] + tokens[path_to(tree, node)].tolist(), reference, False)
+        np.testing.assert_allclose(
+            target.head(hidden[node]).numpy(), target.head(chain_hidden[-1]).numpy(), atol=1e-4, rtol=1e-4
+        )
+
+
+class TorchTreeOracle(Drafter):
+    """Knows the target's greedy continuation; its per-position marginals put the most mass on the right token,
+    or, at `wrong` indices, on a wrong one with the right one second, so the accepted path takes side branches."""
+
+    kind = "oracle"
+    block_size = 16
+    has_marginals = True
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong: set[int], vocab: int):
+        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
+        self.observed = 0
+
+    def reset(self):
+        self.observed = 0
+
+    def observe(self, tokens, features):
+        self.observed += len(tokens)
+
+    def propose(self, anchor, count, params, key):
+        raise AssertionError("tree rounds only")
+
+    def marginals(self, anchor, count):
+        start = self.observed - self.prompt_len + 1
+        logits = torch.zeros(count, self.vocab)
+        for row, i in enumerate(range(start, start + count)):
+            right = self.continuation[i] if i < len(self.continuation) else 0
+            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
+            logits[row, first], logits[row, second] = 10.0, 9.5
+        return Marginals(torch.log_softmax(logits, dim=-1))
+
+
+def test_greedy_tree_and_chain_generation_on_torch_equal_plain_greedy(muse):
+    target, drafter = muse.target, muse.drafter
+    plain = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=60)))
+    for tree in (7, "off"):
+        steps = list(generate_steps(target, PROMPT, GenerationSettings(max_tokens=60, tree=tree), drafter=drafter))
+        assert tokens_of(steps) == plain, tree
+        assert all(s.tree == (tree == 7) for s in steps[1:-1])
+    wrong = {i for i in range(60) if i % 5 == 2}
+    oracle = TorchTreeOracle(len(PROMPT), plain, wrong, target.vocab_size)
+    steps = list(generate_steps(target, PROMPT, GenerationSettings(max_tokens=60, tree=7), drafter=oracle))
+    assert tokens_of(steps) == plain
+    assert np.mean([s.accepted for s in steps[1:]]) > 2  # long paths, through side branches at the wrong ones
+
+
+def test_sampled_tree_generation_on_torch_is_reproducible(muse):
+    target, drafter = muse.target, muse.drafter
+    settings = GenerationSettings.of(max_tokens=30, tree=7, temperature=0.8, seed=3)
+    first = tokens_of(generate_steps(target, PROMPT, settings, drafter=drafter))
+    again = tokens_of(generate_steps(target, PROMPT, settings, drafter=drafter))
+    assert first == again and len(first) == 30 and all(0 <= t < target.vocab_size for t in first)
