@@ -321,7 +321,7 @@ def generate_steps(
         lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=LOOKUP_MIN_NGRAM)
         lookup.observe(prompt, None)
     settings = replace(settings, block_size=block_size)
-    proposers = _Proposers(drafter, lookup, drafter.block_size - 1)
+    proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0)
     yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
 
 
@@ -336,7 +336,8 @@ def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape
     if shape.tree:
         budget = shape.width - 1
         found = proposers.lookup_branch(anchor, budget, remaining)
-        marginals = proposers.drafter.marginals(anchor, min(proposers.depth, remaining - 1))
+        # A tree of `budget` nodes is at most `budget` deep: a shorter block costs the drafter less.
+        marginals = proposers.drafter.marginals(anchor, min(proposers.depth, remaining - 1, budget))
         return target.trees.merged_tree(marginals.log_probs, budget, found, marginals.vocab), None, len(found)
     draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, key)
     return target.trees.chain(target.tokens(draft)), draft_probs, 0

@@ -51,7 +51,8 @@ class ScriptedTarget(Target):
         """The script for the generation marker at `m`: the first whose trigger the conversation holds."""
         return next((reply for trigger, reply in self.scripts if find(hist, trigger, m)), None)
 
-    def forward(self, tokens, cache, capture):
+    def forward(self, tokens, cache, capture, tree=None):
+        assert tree is None, "a scripted target reads its history as a chain: serve it with --tree off"
         first = cache[0]
         offset = first.offset
         hist = getattr(first, "_scripted_hist", [])[:offset] + [int(t) for t in np.array(tokens)]

@@ -213,7 +213,7 @@ def test_prompt_lookup_width_calibration_is_bounded_and_counted_in_ttft(checkpoi
     generate_module = importlib.import_module("mlx_glimmer.generate")
     widths = []
 
-    def slow_calibration(target, max_width, vocab_size, key, directory):  # a measurement that takes 0.4 s
+    def slow_calibration(target, max_width, vocab_size, key, directory, on_measure=None):  # it takes 0.4 s
         widths.append(max_width)
         time.sleep(0.4)
         return VerifyCost(max_width, [[1e-3 * w for w in range(1, max_width + 1)] for _ in BANDS])
@@ -223,7 +223,7 @@ def test_prompt_lookup_width_calibration_is_bounded_and_counted_in_ttft(checkpoi
         mlx_glimmer.load(target=checkpoints["muse"], prompt_lookup=True, draft_k=MAX_DRAFT_K + 1)
     pair = mlx_glimmer.load(target=checkpoints["muse"], prompt_lookup=True, draft_k=MAX_DRAFT_K)
     result = mlx_glimmer.generate(pair, "Hi", max_tokens=4)
-    assert widths == [MAX_DRAFT_K + 1]  # widths 1..17 measured, never 1..K+1 for a K the user typed
+    assert widths == [MAX_DRAFT_K + 1]  # a table up to 17, never up to K+1 for a K the user typed
     assert result.stats.ttft_s >= 0.4  # the calibration is part of the wait for the first token
 
 

@@ -10,12 +10,14 @@ from oracle_drafter import OracleDrafter
 import mlx_glimmer
 from mlx_glimmer.block_policy import (
     MEASURED_WIDTHS,
+    TREE_WIDTHS,
     AcceptanceModel,
     Shape,
     VerifyCost,
     WidthPolicy,
     band_of,
     measure_verify_cost,
+    width_policy,
 )
 from mlx_glimmer.cli import main
 
@@ -172,3 +174,36 @@ def test_one_slow_first_round_does_not_keep_drafting_off():
         policy.observe_round(Shape(4), 3, 100, seconds=1.5)
     policy.observe_round(Shape(4), 3, 100, seconds=1.3 + 5.0)
     assert policy.draft_seconds < 0.2 + 0.1 * 5.0 + 1e-9
+
+
+def run_shapes(policy: WidthPolicy, chain_depth, tree_depth, rounds: int = 300) -> list[Shape]:
+    """Rounds in which a chain keeps `chain_depth(width)` drafts and a tree `tree_depth(width)`, each round
+    taking what the cost table says plus a fixed drafting time."""
+    shapes = []
+    for _ in range(rounds):
+        shape = policy.choose(100)
+        shapes.append(shape)
+        depth = 0 if shape.width == 1 else (tree_depth if shape.tree else chain_depth)(shape.width)
+        policy.observe_round(shape, depth, 100, seconds=policy.cost.estimate(shape.width, 100) + 0.05)
+    return shapes
+
+
+def test_auto_verifies_trees_when_they_keep_more_at_the_same_cost():
+    policy = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    shapes = run_shapes(policy, chain_depth=lambda w: min(w - 1, 2), tree_depth=lambda w: min(w - 1, 5))
+    late = shapes[-100:]
+    assert sum(s.tree for s in late) >= 80, late
+
+
+def test_auto_leaves_trees_that_keep_less_than_chains():
+    policy = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    shapes = run_shapes(policy, chain_depth=lambda w: min(w - 1, 3), tree_depth=lambda w: 0)
+    late = shapes[-100:]
+    assert sum(s.tree for s in late) <= 10, late  # probes only
+    assert all(s.width > 1 for s in late if not s.tree)
+
+
+def test_auto_with_trees_still_falls_back_to_plain_when_nothing_is_kept():
+    policy = width_policy(16, linear_cost(32, per_token=0.06), tree_widths=TREE_WIDTHS)
+    shapes = run_shapes(policy, chain_depth=lambda w: 0, tree_depth=lambda w: 0)
+    assert sum(s.width == 1 for s in shapes[-100:]) >= 90

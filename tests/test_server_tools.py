@@ -120,7 +120,7 @@ class Server(ServeProcess):
 
     def __init__(self, spec: Path, target: Path, drafter: Path, timeout: float = 300, *, wait: bool = True):
         cmd = [sys.executable, str(HERE / "scripted_serve.py"), str(spec), "--", "serve", str(target)]
-        cmd += ["--drafter", str(drafter), "--port", "0", "--max-queue", "4", "--model-name", "tiny"]
+        cmd += ["--drafter", str(drafter), "--port", "0", "--max-queue", "4", "--model-name", "tiny", "--tree", "off"]
         super().__init__(cmd, timeout=timeout, wait=wait)
 
 

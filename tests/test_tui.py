@@ -9,6 +9,7 @@ tokenizer turns a random model's stray bytes into U+FFFD, which does not).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import shutil
@@ -636,3 +637,16 @@ def test_chat_flags_become_the_app_settings(monkeypatch, checkpoints):
         reasoning="low",
     )
     assert app.source == bundle
+
+
+def test_a_first_run_says_it_is_measuring_verify_cost_before_the_first_answer(pair, monkeypatch, tmp_path):
+    """`auto` times a few verify widths once per model and chip, after loading; the chat says so while it waits."""
+    monkeypatch.setenv("MLX_GLIMMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.import_module("mlx_glimmer.generate"), "_COSTS", {})  # as in a fresh process: nothing timed yet
+
+    async def scenario(app, pilot):
+        await say(app, pilot, "Hello")
+
+    view = chat(pair, scenario, block_size="auto")
+    assert any(line.startswith("Measuring verify cost") for line in view.info), view.info
+    assert view.app.conversation.turns[0].stats.finish_reason in ("stop", "length")

@@ -67,6 +67,8 @@ class ChatScreen(Screen):
     # --- what the MLX thread and the save queue report ---------------------------------
 
     def on_measuring(self, message: Measuring) -> None:
+        text = message.text[0].upper() + message.text[1:]
+        self.note(text + "…", "info")
         self.set_status(message.text + "…")
 
     def on_loaded(self, message: Loaded) -> None:
