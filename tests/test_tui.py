@@ -642,7 +642,9 @@ def test_chat_flags_become_the_app_settings(monkeypatch, checkpoints):
 def test_a_first_run_says_it_is_measuring_verify_cost_before_the_first_answer(pair, monkeypatch, tmp_path):
     """`auto` times a few verify widths once per model and chip, after loading; the chat says so while it waits."""
     monkeypatch.setenv("MLX_GLIMMER_CACHE", str(tmp_path))
-    monkeypatch.setattr(importlib.import_module("mlx_glimmer.generate"), "_COSTS", {})  # as in a fresh process: nothing timed yet
+    monkeypatch.setattr(
+        importlib.import_module("mlx_glimmer.generate"), "_COSTS", {}
+    )  # as in a fresh process: nothing timed yet
 
     async def scenario(app, pilot):
         await say(app, pilot, "Hello")
