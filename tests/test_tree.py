@@ -541,10 +541,26 @@ def side_branches(steps, wrong: set[int]) -> int:
     return count
 
 
-@pytest.mark.parametrize("nodes", [3, 15, 31])
-def test_greedy_trees_equal_plain_greedy(muse_pair, plain, nodes):
-    target = muse_pair.target
-    assert target.model.args.sliding_window == 8
+@pytest.fixture(scope="module")
+def window6_pair(tmp_path_factory):
+    """A Muse target with a window of 6: 300 tokens run 50 windows past it."""
+    root = tmp_path_factory.mktemp("tree_w6")
+    tc.build_muse_target(root / "t", sliding_window=6, seed=3)
+    tc.build_assistant(root / "d", target_layer_ids=[1, 3, 5], seed=4)
+    return mlx_glimmer.load(target=root / "t", drafter=root / "d")
+
+
+@pytest.fixture(scope="module")
+def window6_plain(window6_pair):
+    return tokens_of(generate_steps(window6_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)))
+
+
+@pytest.mark.parametrize("window, nodes", [(8, 3), (6, 31)])
+def test_greedy_trees_equal_plain_greedy(request, window, nodes):
+    pair = request.getfixturevalue("muse_pair" if window == 8 else "window6_pair")
+    plain = request.getfixturevalue("plain" if window == 8 else "window6_plain")
+    target, muse_pair = pair.target, pair
+    assert target.model.args.sliding_window == window
     steps = list(
         generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, tree=nodes), drafter=muse_pair.drafter)
     )
@@ -557,7 +573,7 @@ def test_greedy_trees_equal_plain_greedy(muse_pair, plain, nodes):
     assert tokens_of(steps) == plain
     if nodes >= 15:
         assert np.mean([s.accepted for s in steps[1:]]) > 3  # long paths, past wrong first choices ...
-        assert side_branches(steps, wrong) > 5  # ... through the drafter's second choices
+        assert side_branches(steps, wrong) >= 2  # ... through the drafter's second choices
     else:
         assert side_branches(steps, wrong) > 0
 
