@@ -140,7 +140,7 @@ class VerifyCost:
 
 
 def measure_verify_cost(
-    target, max_width: int, vocab_size: int, contexts=(32,), repeats: int = 2, widths=MEASURED_WIDTHS
+    target, max_width: int, vocab_size: int, contexts=(32,), repeats: int = 1, widths=MEASURED_WIDTHS
 ) -> VerifyCost:
     """Time target calls of `widths` (up to max_width, which is always measured) after `contexts` tokens, on a
     cache of its own (nothing else moves). A short prompt's band only: a first answer waits for this, and
