@@ -44,8 +44,8 @@ from .chat_template import has_chat_template
 from .drafters.base import Drafter
 from .errors import GlimmerError
 from .paths import cache_dir
-from .settings import AUTO, MAX_TREE_NODES, OFF, GenerationSettings
-from .speculative import DecodeState, TargetModel, generate_steps
+from .settings import AUTO, MAX_TREE_NODES, GenerationSettings
+from .speculative import DecodeState, TargetModel, generate_steps, tree_setting
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -275,7 +275,7 @@ def prepare_request(
         block_size = drafter.block_size if drafter is not None else 1
     else:
         block_size = min(settings.block_size, widest_width(drafter)) if drafter is not None else settings.block_size
-    fixed_tree = drafter is not None and drafter.has_marginals and settings.tree not in (AUTO, OFF)
+    fixed_tree = isinstance(tree_setting(drafter, settings), int)
     policy = None
     if settings.auto and drafter is not None and drafter.block_size > 1 and not fixed_tree:
         policy = auto_policy(pair, drafter, settings)
@@ -313,7 +313,7 @@ def _remember(table: dict, owner, value) -> None:
 
 def _tree_widths(drafter: Drafter, settings: GenerationSettings) -> tuple[int, ...]:
     """The tree budgets `auto` may choose: none when the drafter drafts chains only or trees are off."""
-    if not (drafter.has_marginals and settings.tree == AUTO):
+    if tree_setting(drafter, settings) != AUTO:
         return ()
     return tuple(w for w in TREE_WIDTHS if w <= MAX_TREE_NODES + 1)
 

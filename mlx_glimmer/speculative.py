@@ -251,6 +251,14 @@ class _Proposers:
             self.lookup_share = 0.8 * self.lookup_share + 0.2 * (0.25 + 0.5 * kept / offered)
 
 
+def tree_setting(drafter: Drafter | None, settings: GenerationSettings) -> int | str:
+    """The tree setting that applies: `settings.tree`, or "off" where nothing drafts or the drafter drafts
+    chains only (it has no per-position distributions)."""
+    if drafter is None or not settings.speculative or not drafter.has_marginals:
+        return OFF
+    return settings.tree
+
+
 def generate_steps(
     target: TargetModel,
     prompt: Sequence[int],
@@ -272,8 +280,10 @@ def generate_steps(
     prompt = list(prompt)
     drafter = drafter if settings.speculative else None
     block_size = 1 if drafter is None else drafter.block_size if settings.auto else settings.block_size
-    trees = drafter is not None and settings.tree != OFF and drafter.has_marginals
-    widest = max(block_size, settings.tree + 1 if trees and isinstance(settings.tree, int) else 1)
+    tree = tree_setting(drafter, settings)
+    trees = tree != OFF
+    offered = policy.shapes() if policy is not None else []  # the widest verify the cache must roll back
+    widest = max(block_size, tree + 1 if isinstance(tree, int) else 1, *(shape.width for shape in offered))
     params, max_tokens = settings.sampling, settings.max_tokens
     stop = set(int(t) for t in stop_ids)
     capture = drafter is not None and bool(drafter.target_layer_ids)

@@ -86,6 +86,9 @@ class AlwaysPlain:
     def choose(self, context):
         return Shape(1)
 
+    def shapes(self):
+        return [Shape(1)]
+
     def observe_round(self, *args):
         pass
 
