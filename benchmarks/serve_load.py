@@ -1,7 +1,7 @@
 """Load test for `mlx-glimmer serve`: concurrent multi-turn chats through the official openai client.
 
-    python benchmarks/serve_load.py [BUNDLE] [--clients 4] [--turns 3] [--max-tokens 32] [--time-limit 600]
-                                    [--compare] [--max-batch N] [--url http://127.0.0.1:8080/v1]
+    python benchmarks/serve_load.py [BUNDLE | --tiny-muse DIR] [--clients 4] [--turns 3] [--max-tokens 32]
+                                    [--time-limit 600] [--compare] [--max-batch N] [--url http://127.0.0.1:8080/v1]
                                     [--out benchmarks/results/serve_load.json]
 
 Starts a server on a free loopback port (or uses --url), then runs `--clients`
@@ -21,6 +21,10 @@ throughputs, their ratio, and whether every concurrent output equals its
 one-at-a-time output. Where one does not, the first difference is explained
 in-process once the server has stopped (`server.batch.explain_batched_divergence`:
 the position and both kernels' logit margins; a floating-point tie or not).
+
+`--tiny-muse DIR`: serve a random Muse Glimmer target (sliding-window layers)
+instead of BUNDLE, built in DIR by `benchmarks/tiny_muse.py` unless DIR already
+holds it: hidden 512, 8 layers, float32, a window of 16, no drafter.
 """
 
 from __future__ import annotations
@@ -230,6 +234,9 @@ def explain(bundle: str | None, pairs: list[tuple[dict, dict]], max_tokens: int)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", nargs="?")
+    ap.add_argument(
+        "--tiny-muse", type=Path, default=None, metavar="DIR", help="serve a random Muse target (see above)"
+    )
     ap.add_argument("--url", default=None, help="an already running server's /v1 URL")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
@@ -242,6 +249,10 @@ def main() -> int:
     ap.add_argument("--note", default="", help="free text stored with the results (machine, load)")
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = ap.parse_args()
+    if args.tiny_muse is not None:
+        from tiny_muse import ensure_built
+
+        args.bundle = str(ensure_built(args.tiny_muse))
 
     proc = None
     url = args.url

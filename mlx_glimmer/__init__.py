@@ -19,7 +19,9 @@ _LAZY = {
     "GenerationResult": "generate",
     "GenerationStats": "generate",
     "generate": "generate",
+    "prompt_logprobs": "generate",
     "stream_generate": "generate",
+    "TokenLogprob": "logprobs",
     "Pair": "loading",
     "load": "loading",
 }
@@ -33,9 +35,11 @@ __all__ = [
     "GlimmerError",
     "Pair",
     "SamplingParams",
+    "TokenLogprob",
     "__version__",
     "generate",
     "load",
+    "prompt_logprobs",
     "stream_generate",
 ]
 

@@ -9,13 +9,18 @@ Two measurements drive the choice:
   (`calibration_key`), and refined online from every round's own timing
   (exponential average per band and width). The loop times a round as a whole,
   from one host read to the next (`WidthPolicy.observe_round`): the draft and
-  the verify run as one queued graph.
+  the verify run as one queued graph. A shape that has run is judged by its
+  own rounds' time (`RoundTimes`); the table predicts the others.
 - **Acceptance** (`AcceptanceModel`): per-position conditional acceptance
   a_i = P(draft i kept | drafts before it kept), from recent rounds with
   exponential forgetting, so it follows the text and the context as they
   change (greedy and sampling alike: it counts what the loop kept).
 
-Expected tokens committed by a round of width w (w - 1 drafts):
+With draft trees on, the same rule also weighs tree budgets (`TreeAcceptance`:
+tokens committed per round, per budget) and the n-gram lookup's continuation
+verified alone (its own `AcceptanceModel`, no drafter call).
+
+Expected tokens committed by a chain of width w (w - 1 drafts):
 E(w) = 1 + sum_{j<w} prod_{i<=j} a_i. The rule picks argmax_w E(w) / (cost(w) +
 draft cost), where width 1 is plain decoding (no drafter call, cost(1) only).
 The drafter still proposes at its trained block size when that is how it
@@ -23,7 +28,8 @@ works (DFlash proposes a whole block in one pass); only a prefix is verified.
 
 Exploration is cheap and bounded: while width 1 wins, no acceptance is
 observed, so every `probe_interval` plain rounds the policy verifies one small
-probe (width `probe_width`, never the full block); a probe that does not pay
+probe (a chain of `probe_width`, never the full block, or the smallest tree
+or the lookup's continuation, whichever it has seen least); a probe that does not pay
 doubles the interval (up to `max_interval`), one that pays resets it. So the
 fallback to plain happens by itself when drafting stops paying, and drafting
 comes back when it pays again.
@@ -57,10 +63,13 @@ TREE_PRIOR_GAIN = 1.3
 @dataclass(frozen=True)
 class Shape:
     """What one round verifies: `width` tokens (the anchor and width - 1 drafts), as a draft tree built from
-    the drafter's per-position distributions merged with the n-gram lookup (`tree`), or as a chain."""
+    the drafter's per-position distributions merged with the n-gram lookup (`tree`), as the n-gram lookup's
+    continuation alone (`lookup`: no drafter call, so the cheapest round where the context repeats itself),
+    or as the drafter's chain."""
 
     width: int
     tree: bool = False
+    lookup: bool = False
 
 
 def band_of(context: int) -> int:
@@ -304,6 +313,37 @@ class TreeAcceptance:
 
 
 @dataclass
+class RoundTimes:
+    """Seconds of a whole drafting round per context band and shape, as the loop timed them (draft, verify and
+    read together), averaged as `VerifyCost.observe` averages. The verify-cost table plus a drafting residual
+    only predicts a shape never run here: one table timed under other load (or a drafter whose cost grows with
+    the tree it builds) would otherwise mislead every later choice, and a shape's own rounds say what it costs."""
+
+    alpha: float = 0.1
+    seconds: dict[tuple[int, Shape], float] = field(default_factory=dict)
+    counts: dict[tuple[int, Shape], int] = field(default_factory=dict)
+    scale: float = 1.0  # timed / predicted over recent rounds: a table measured too high or too low, corrected
+
+    def get(self, shape: Shape, context: int) -> float | None:
+        return self.seconds.get((band_of(context), shape))
+
+    def observe(self, shape: Shape, context: int, seconds: float, predicted: float | None = None) -> None:
+        """The first rounds weigh as much as each other; a round cheaper than the average pulls it at least
+        halfway (load only ever adds time). `predicted`: what the table said this round would take."""
+        if predicted:
+            self.scale = 0.8 * self.scale + 0.2 * min(max(seconds / predicted, 0.1), 10.0)
+        key = (band_of(context), shape)
+        n = self.counts.get(key, 0) + 1
+        self.counts[key] = n
+        old = self.seconds.get(key)
+        if old is None:
+            self.seconds[key] = seconds
+            return
+        weight = max(self.alpha, 1.0 / n, 0.5 if seconds < old else 0.0)
+        self.seconds[key] = (1 - weight) * old + weight * seconds
+
+
+@dataclass
 class WidthPolicy:
     cost: VerifyCost
     acceptance: AcceptanceModel
@@ -312,7 +352,9 @@ class WidthPolicy:
     probe_interval: int = 8
     max_interval: int = 256
     trees: TreeAcceptance | None = None  # tree budgets it may choose (None: chains only)
+    lookup: AcceptanceModel | None = None  # the n-gram lookup's chains, offered with trees (None: never)
     tree_draft_seconds: float | None = None  # a tree round's drafting time (the drafter's, the build's), averaged
+    round_times: RoundTimes = field(default_factory=RoundTimes)  # each drafting shape's own rounds, timed
     _interval: int = 0
     _plain_rounds: int = 0
     _draft_rounds: int = 0
@@ -325,33 +367,61 @@ class WidthPolicy:
         """The widest chain."""
         return self.acceptance.size + 1
 
-    def _seconds(self, shape: Shape, costs: list[float]) -> float:
+    def _seconds(self, shape: Shape, costs: list[float], context: int) -> float:
+        """A round of this shape: its own rounds' time where it ran in this band, else the prediction scaled
+        by how far predictions have been off for the shapes that ran (`RoundTimes.scale`)."""
         if shape.width == 1:
             return costs[0]
+        timed = self.round_times.get(shape, context)
+        if timed is not None:
+            return timed
+        return self._predicted(shape, costs) * self.round_times.scale
+
+    def _predicted(self, shape: Shape, costs: list[float]) -> float:
+        """Verify cost from the table, plus drafting time (none for the lookup's chains)."""
+        if shape.lookup:
+            return costs[shape.width - 1]
         draft = (self.tree_draft_seconds if shape.tree else None) or self.draft_seconds or 0.0
         return costs[shape.width - 1] + draft
 
     def _expected(self, shape: Shape, chain: list[float]) -> float:
+        if shape.lookup:
+            return self.lookup.expected_tokens(shape.width)
         if not shape.tree:
             return chain[shape.width - 1]
         prior = 1.0 + (chain[min(shape.width, self.max_width) - 1] - 1.0) * TREE_PRIOR_GAIN
         return self.trees.expected(shape.width, prior)
 
-    def shapes(self) -> list[Shape]:
+    def shapes(self, found: int = 0) -> list[Shape]:
+        """The shapes it weighs: every chain width, each tree budget, and with `found` tokens of n-gram
+        continuation at hand, the lookup's chains up to them."""
         chains = [Shape(w) for w in range(1, self.max_width + 1)]
         trees = [Shape(w, tree=True) for w in self.trees.widths] if self.trees is not None else []
-        return chains + [t for t in trees if t.width <= self.cost.max_width]
+        lookups = []
+        if self.lookup is not None:
+            lookups = [Shape(w, lookup=True) for w in range(2, min(found, self.lookup.size) + 2)]
+        return chains + [s for s in trees + lookups if s.width <= self.cost.max_width]
 
     def rate(self, shape: Shape, context: int) -> float:
         """Expected committed tokens per second of this shape."""
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        return self._expected(shape, chain) / max(self._seconds(shape, costs), 1e-9)
+        return self._expected(shape, chain) / max(self._seconds(shape, costs, context), 1e-9)
 
-    def choose(self, context: int) -> Shape:
+    def lookup_may_pay(self, context: int) -> bool:
+        """Whether the lookup's continuation, were it found at full length, would beat a plain step."""
+        if self.lookup is None:
+            return False
+        found = [s for s in self.shapes(self.lookup.size) if s.lookup]
+        return max(self.rate(s, context) for s in found) > self.rate(Shape(1), context)
+
+    def choose(self, context: int, found: int = 0) -> Shape:
+        """The next round's shape after `context` tokens, `found` tokens of n-gram continuation at hand."""
         self._interval = self._interval or self.probe_interval
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
         ranked = sorted(
-            self.shapes(), key=lambda s: self._expected(s, chain) / max(self._seconds(s, costs), 1e-9), reverse=True
+            self.shapes(found),
+            key=lambda s: self._expected(s, chain) / max(self._seconds(s, costs, context), 1e-9),
+            reverse=True,
         )
         best = ranked[0]
         self._probing = False
@@ -365,19 +435,46 @@ class WidthPolicy:
         if self._plain_rounds >= self._interval:
             self._plain_rounds = 0
             self._probing = True
-            return Shape(min(self.probe_width, self.max_width))
+            return self._plain_probe(ranked)
         return best
+
+    def _seen(self, shape: Shape) -> float:
+        """How much recent evidence it has on this shape's kind (decayed rounds)."""
+        if shape.tree:
+            return self.trees.seen(shape.width)
+        return (self.lookup if shape.lookup else self.acceptance).offered[0]
+
+    def _plain_probe(self, ranked: list[Shape]) -> Shape:
+        """While plain decoding wins, the least seen of: a chain of `probe_width`, the smallest tree, and the
+        n-gram continuation at hand. A tree's or the lookup's time and acceptance are otherwise only predicted
+        (from the cost table, other shapes' drafting time, a prior), and one bad prediction would keep it out."""
+        chain = Shape(min(self.probe_width, self.max_width))
+        tree = [Shape(min(self.trees.widths), tree=True)] if self.trees is not None else []
+        lookup = [max((s for s in ranked if s.lookup), key=lambda s: s.width)] if any(s.lookup for s in ranked) else []
+        candidates = [chain] + [s for s in tree + lookup if s.width <= self.cost.max_width]
+        return min(candidates, key=self._seen)
 
     def _probe(self, best: Shape, ranked: list[Shape]) -> Shape:
         """Now and then another shape than the best, to keep its figures measured here and now: the tree
         budget seen least while trees are offered (every other probe), else a chain one wider than the best."""
         if self.trees is not None and (self._draft_rounds // self.probe_interval) % 2:
-            return min((s for s in ranked if s.tree), key=lambda s: self.trees.seen(s.width), default=best)
-        if not best.tree and best.width < self.max_width:
+            lookups = [s for s in ranked if s.lookup]
+            others = [s for s in ranked if s.tree] + ([max(lookups, key=lambda s: s.width)] if lookups else [])
+            return min(others, key=self._seen, default=best)
+        if not best.tree and not best.lookup and best.width < self.max_width:
             return Shape(best.width + 1)
         return best
 
-    def observe_round(self, shape: Shape, accepted: int, context: int, seconds: float, timed: bool = True) -> None:
+    def observe_round(
+        self,
+        shape: Shape,
+        accepted: int,
+        context: int,
+        seconds: float,
+        timed: bool = True,
+        lookup_offered: int = 0,
+        lookup_kept: int = 0,
+    ) -> None:
         """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
         own (draft and verify run as one queued graph, so they cannot be timed apart without a second
         sync). A width-1 round refines the verify cost; a drafting round's time beyond the verify estimate
@@ -385,17 +482,26 @@ class WidthPolicy:
         averaged, then an exponential average). Load only ever adds time, so a round cheaper than the
         estimate pulls it down at least halfway: one slow first round (cold caches, other load) cannot keep
         drafting switched off. `timed` False: the time is not representative (the draft projected a long
-        backlog of context, such as a prompt's): only the acceptance counts, so no estimate is seeded from it."""
+        backlog of context, such as a prompt's): only the acceptance counts, so no estimate is seeded from it.
+        A tree that held `lookup_offered` nodes of the n-gram continuation, of which its accepted path kept
+        `lookup_kept`, also says what that continuation verified alone would have kept."""
         if shape.tree:
             self.trees.observe(shape.width, accepted + 1)
+            if self.lookup is not None and lookup_offered:  # the tree's lookup branch: a lookup chain's evidence
+                self.lookup.observe(lookup_offered, lookup_kept)
+        elif shape.lookup:
+            self.lookup.observe(shape.width - 1, accepted)
         elif shape.width > 1:
             self.acceptance.observe(shape.width - 1, accepted)
         if timed:
             if shape.width == 1:
                 self.cost.observe(1, context, seconds)
             else:
-                residual = max(seconds - self.cost.estimate(shape.width, context), 0.0)
-                self._observe_draft(shape.tree, residual)
+                predicted = self._predicted(shape, self.cost.estimates(context))
+                if not shape.lookup:
+                    residual = max(seconds - self.cost.estimate(shape.width, context), 0.0)
+                    self._observe_draft(shape.tree, residual)
+                self.round_times.observe(shape, context, seconds, predicted)
         self._judge_probe(shape, context)
 
     def _observe_draft(self, tree: bool, residual: float) -> None:
@@ -422,23 +528,29 @@ class WidthPolicy:
 def width_policy(
     max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None, tree_widths: tuple[int, ...] = ()
 ) -> WidthPolicy:
-    """A policy for one generation over chains up to `max_width` and trees of `tree_widths` tokens; acceptance
-    and drafter cost carry over from the pair's previous one."""
+    """A policy for one generation over chains up to `max_width` and trees of `tree_widths` tokens (with trees,
+    the n-gram lookup's chains up to the widest tree too); acceptance and drafter cost carry over from the
+    pair's previous one."""
     trees = TreeAcceptance(tuple(tree_widths)) if tree_widths else None
+    lookup = AcceptanceModel(max(tree_widths) - 1) if tree_widths else None
     if previous is not None and previous.max_width == max_width:
         if trees is not None and previous.trees is not None and previous.trees.widths == trees.widths:
             trees = previous.trees
+        if lookup is not None and previous.lookup is not None and previous.lookup.size == lookup.size:
+            lookup = previous.lookup
         return WidthPolicy(
             cost,
             previous.acceptance,
             previous.draft_seconds,
             trees=trees,
+            lookup=lookup,
             tree_draft_seconds=previous.tree_draft_seconds,
+            round_times=previous.round_times,
             _interval=previous._interval,
             _draft_samples=previous._draft_samples,
             _tree_samples=previous._tree_samples,
         )
-    return WidthPolicy(cost, AcceptanceModel(max_width - 1), trees=trees)
+    return WidthPolicy(cost, AcceptanceModel(max_width - 1), trees=trees, lookup=lookup)
 
 
 def describe(widths: list[int]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ and then rejects part of it, so that is exactly what we need to undo.
 that after any rollback of up to `reserve` tokens every later query still sees
 its full window. Old entries are dropped lazily, in one copy every `step`
 tokens, so the per-token cost stays a slice assignment like mlx-lm's caches.
+Requests a server decodes together hold theirs as rows of its batched form,
+`server.batch_cache.BatchWindowedKVCache`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,16 @@ from pathlib import Path
 from .chat_template import REASONING_LEVELS
 from .errors import GlimmerError
 from .files import check_model_dir, check_pair_dirs
-from .flags import FLAG_OF, add_drafter_flags, add_sampling_flags, checked, dest, given_settings, settings_from_args
+from .flags import (
+    FLAG_OF,
+    add_drafter_flags,
+    add_logprobs_flag,
+    add_sampling_flags,
+    checked,
+    dest,
+    given_settings,
+    settings_from_args,
+)
 from .paths import cache_dir
 
 JSON_FIELDS = (
@@ -103,6 +112,7 @@ def build_parser() -> Parser:
     add_drafter_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    add_logprobs_flag(g)
 
     from .bench import add_bench_parser
     from .convert.cli import add_convert_parser
@@ -221,6 +231,8 @@ def check_generate(args) -> None:
         raise GlimmerError("generate: --prompt is empty")
     if args.system is not None and not args.chat:
         raise GlimmerError("generate: --system needs --chat")
+    if args.logprobs is not None and not args.json:
+        raise GlimmerError("generate: --logprobs needs --json")
     check_backend_flags(args)
     check_bundle(args, use_drafter=not args.no_spec and not args.prompt_lookup)
 
@@ -248,6 +260,8 @@ def cmd_generate(args) -> int:
     if args.json:
         stats_d = stats.to_dict()
         out = {"text": result.text, "token_ids": result.token_ids, **{k: stats_d[k] for k in JSON_FIELDS}}
+        if result.logprobs is not None:
+            out["logprobs"] = [lp.to_dict() for lp in result.logprobs]
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")

@@ -14,6 +14,7 @@ from .errors import GlimmerError
 from .settings import (
     AUTO,
     MAX_DRAFT_K,
+    MAX_LOGPROBS,
     MAX_TREE_NODES,
     OFF,
     SEED_BITS,
@@ -33,6 +34,7 @@ FLAG_OF = {
     "block_size": "--block-size",
     "tree": "--tree",
     "speculative": "--no-spec",  # the flag turns it off
+    "logprobs": "--logprobs",  # `generate` only (`add_logprobs_flag`)
 }
 
 
@@ -185,6 +187,19 @@ def add_sampling_flags(
     )
     p.add_argument(
         FLAG_OF["speculative"], action="store_true", help="plain decoding with the target alone (the baseline)"
+    )
+
+
+def add_logprobs_flag(p: argparse.ArgumentParser) -> None:
+    """--logprobs K: each generated token's log-probability and its K likeliest alternatives."""
+    p.add_argument(
+        FLAG_OF["logprobs"],
+        type=bounded_int(0, MAX_LOGPROBS),
+        default=None,
+        metavar="K",
+        help="with --json: each generated token's log-probability under the target (before temperature, top-p and "
+        f"top-k) and its K likeliest alternatives, 0 to {MAX_LOGPROBS}; computed in the verify passes, no extra "
+        "host reads",
     )
 
 

@@ -19,6 +19,8 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
                                 matches) or "both" (shared nodes); rounds that kept no draft are not counted
     peak_memory_gb              MLX's peak; on torch CUDA's peak allocation, MPS's driver allocation,
                                 or on CPU the process's peak resident size
+    logprobs                    with `--logprobs K` only: per generated token {token, logprob, top: [{token,
+                                logprob}] (its K likeliest alternatives)}, under the target's own distribution
 On torch the device is synchronised at every step, so times are wall-clock for finished work.
 """
 
@@ -43,8 +45,10 @@ from .block_policy import (
 from .chat_template import has_chat_template
 from .drafters.base import Drafter
 from .errors import GlimmerError
+from .logprobs import TokenLogprob
+from .logprobs import prompt_logprobs as target_prompt_logprobs
 from .paths import cache_dir
-from .settings import AUTO, MAX_TREE_NODES, GenerationSettings
+from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, GenerationSettings, SamplingError
 from .speculative import DecodeState, TargetModel, generate_steps, tree_setting
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -145,6 +149,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids` when `settings.logprobs` asked
 
 
 @dataclass
@@ -152,6 +157,7 @@ class GenerationChunk:
     text: str  # new text since the previous chunk
     token_ids: list[int]  # tokens committed in this chunk (stop token excluded)
     stats: GenerationStats  # running totals
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids` when `settings.logprobs` asked
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat_template_kwargs: dict | None = None) -> list[int]:
@@ -202,13 +208,15 @@ def stream_generate(
     seed: int | None = None,
     speculative: bool | None = None,
     tree: int | str | None = None,
+    logprobs: int | None = None,
     chat_template_kwargs: dict | None = None,
     state: DecodeState | None = None,
 ) -> Iterator[GenerationChunk]:
     """Yield text as tokens are committed, with running stats. `pair`: from `load` or `torch_backend.load_torch`.
 
     How to generate is `settings` (a `GenerationSettings`; default: greedy, 256 tokens, block size "auto",
-    tree "auto", speculative, seed 0); a keyword given here replaces its field (None leaves it). Pass the same
+    tree "auto", speculative, seed 0, no log-probabilities); a keyword given here replaces its field (None leaves
+    it). `logprobs` K gives each chunk's tokens their log-probabilities and K alternatives. Pass the same
     `state` (a `DecodeState`) on every turn of a conversation to keep its KV cache and drafter context: each
     turn then prefills only the tokens its prompt adds to what is already cached.
 
@@ -227,6 +235,7 @@ def stream_generate(
         seed=seed,
         speculative=speculative,
         tree=tree,
+        logprobs=logprobs,
     )
     pair.target.reset_peak_memory()
     request = prepare_request(pair, prompt, settings, chat_template_kwargs)
@@ -380,6 +389,7 @@ def _chunks(
     for index, step in enumerate(steps):
         now = time.perf_counter()
         new = step.tokens[:-1] if step.stopped else step.tokens
+        logprobs = step.logprobs[: len(new)] if step.logprobs is not None else None
         if index == 0:  # the prefill step
             first_at = now
             stats.prefill_tokens = step.prefill_tokens
@@ -399,7 +409,7 @@ def _chunks(
         if stats.finish_reason is not None:
             detok.finalize()
         # A snapshot: chunks kept by the caller keep the figures of their moment.
-        yield GenerationChunk(detok.last_segment, new, stats.snapshot())
+        yield GenerationChunk(detok.last_segment, new, stats.snapshot(), logprobs)
     if stats.finish_reason is None:  # max_tokens == 0
         stats.finish_reason = "length"
 
@@ -420,15 +430,18 @@ def collect(
     """The answer a stream of chunks makes. `on_chunk` hears each chunk as it comes; once it returns True the
     stream is closed there, at a round boundary (a `DecodeState` then holds exactly what the target processed),
     and the answer is what came so far."""
-    text, ids, stats = [], [], GenerationStats()
+    text, ids, stats, logprobs = [], [], GenerationStats(), None
     with closing(chunks):
         for chunk in chunks:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             stats = chunk.stats
+            if chunk.logprobs is not None:
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(chunk.logprobs)
             if on_chunk is not None and on_chunk(chunk):
                 break
-    return GenerationResult("".join(text), ids, stats)
+    return GenerationResult("".join(text), ids, stats, logprobs)
 
 
 def generate(
@@ -436,3 +449,18 @@ def generate(
 ) -> GenerationResult:
     """Generate a whole answer; `settings` and keywords as `stream_generate`."""
     return collect(stream_generate(pair, prompt, settings, **kwargs))
+
+
+def prompt_logprobs(
+    pair: GenerationPair, prompt: Prompt, top: int = 0, chat_template_kwargs: dict | None = None
+) -> list[TokenLogprob | None]:
+    """The target's log-probability of every token of `prompt` (in any of its three forms) after those before
+    it, with the `top` (0..MAX_LOGPROBS) likeliest tokens there; None for the first, which has nothing before
+    it. One forward over the prompt on a cache of its own (what `echo` on the server's /v1/completions reports)."""
+    if not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_LOGPROBS):
+        raise SamplingError("top", f"must be a whole number in [0, {MAX_LOGPROBS}]", top)
+    tokens = encode_prompt(pair.tokenizer, prompt, chat_template_kwargs)
+    vocab = pair.target.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise GlimmerError(f"prompt token ids must lie in [0, {vocab})")
+    return target_prompt_logprobs(pair.target, tokens, top)

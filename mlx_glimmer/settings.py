@@ -22,6 +22,7 @@ SEED_BITS = 63  # seeds are integers in [0, 2**63): what MLX's and torch's gener
 SEED_LIMIT = 2**SEED_BITS
 SEED_RULE = f"must be a whole number in [0, 2**{SEED_BITS})"
 MAX_DRAFT_K = 16  # most tokens a draft model or prompt lookup proposes per round (`--draft-k`, `load(draft_k=)`)
+MAX_LOGPROBS = 20  # most alternatives reported per token (`logprobs`), as OpenAI's `top_logprobs` allows
 
 
 class SamplingError(GlimmerError, ValueError):
@@ -77,7 +78,11 @@ class GenerationSettings:
     tree budget each round (when `block_size` is "auto" too; a fixed `block_size` verifies chains of that
     width); N (1..MAX_TREE_NODES) verifies N nodes under the anchor every round (N + 1 tokens); "off" verifies
     chains only. `speculative=False` decodes with the target alone (the baseline). `seed` seeds sampling: an
-    integer in [0, SEED_LIMIT)."""
+    integer in [0, SEED_LIMIT). `logprobs`: None (the default) computes no log-probabilities; K (0..MAX_LOGPROBS)
+    gives every generated token its log-probability under the target's own distribution (the log-softmax of its
+    logits, before temperature, top-k and top-p) and the K likeliest tokens there, with theirs
+    (`logprobs.TokenLogprob`). They come from the verify pass that committed the token, never from the drafter,
+    and cost no extra host read."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
@@ -85,6 +90,7 @@ class GenerationSettings:
     speculative: bool = True
     seed: int = 0
     tree: int | str = AUTO
+    logprobs: int | None = None
 
     def __post_init__(self):
         b = self.block_size
@@ -97,6 +103,8 @@ class GenerationSettings:
             raise SamplingError("max_tokens", "must be a whole number >= 1", self.max_tokens)
         if not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise SamplingError("seed", SEED_RULE, self.seed)
+        if self.logprobs is not None and not (_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingError("logprobs", f"must be None or a whole number in [0, {MAX_LOGPROBS}]", self.logprobs)
         if not isinstance(self.speculative, bool):
             raise SamplingError("speculative", "must be true or false", self.speculative)
         if not isinstance(self.sampling, SamplingParams):

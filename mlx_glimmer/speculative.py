@@ -16,6 +16,10 @@ round's bookkeeping is handed to the caller, so the host builds graphs while
 the device computes. Width-1 rounds (`--block-size auto` falling back to plain)
 are queued one ahead, as plain decoding does (`_plain_steps`). A round is
 timed as a whole, from one read to the next (`WidthPolicy.observe_round`).
+
+Log-probabilities (`GenerationSettings.logprobs`, `logprobs.py`) ride on the same read: each verify's logits
+give, lazily on the device, a table for all its positions (`TreeOps.round_logprobs`), read with the verdict;
+with them off nothing more is computed.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from .block_policy import Shape, WidthPolicy
 from .drafters.base import Drafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import GlimmerError
+from .logprobs import TokenLogprob, path_logprobs, read_table
 from .sampling import pick
 from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
-from .tree import LOOKUP, SOURCE_NAMES, DraftTree
+from .tree import LOOKUP, MODEL, SOURCE_NAMES, DraftTree, Path
 
 Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
 
@@ -47,13 +52,16 @@ class SamplingOps(Protocol):
 
 
 class TreeOps(Protocol):
-    """One array library's draft-tree module (`mlx_glimmer.tree`): builds, judges and reads trees."""
+    """One array library's draft-tree module (`mlx_glimmer.tree`): builds, judges and reads trees, and
+    computes the log-probabilities of what a round commits."""
 
-    def chain(self, tokens: Array) -> DraftTree: ...
+    def chain(self, tokens: Array, source: int = MODEL) -> DraftTree: ...
     def merged_tree(self, log_probs: Array, budget: int, lookup: list[int], vocab: Array | None) -> DraftTree: ...
     def verdict(self, tree: DraftTree, logits: Array, params: SamplingParams, key: Any) -> Array: ...
     def chain_verdict(self, tree: DraftTree, judged: Array) -> Array: ...
     def read_path(self, values: list[int], size: int) -> Any: ...  # a `tree.Path`
+    def token_logprobs(self, logits: Array, tokens: Array, top: int, rows: Array | None = None) -> Array: ...
+    def round_logprobs(self, logits: Array, tree: DraftTree, verdict: Array, top: int) -> Array: ...
 
 
 class TargetModel(Protocol):
@@ -139,6 +147,7 @@ class Step:
     verify_s: float = 0.0
     prefill_tokens: int = 0  # > 0 only on the prefill step
     stopped: bool = False  # a stop token was committed (it is the last of `tokens`)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when `settings.logprobs` asks
 
 
 @dataclass
@@ -223,10 +232,17 @@ class _Round:
     draft_s: float  # host seconds spent proposing and launching the draft
     timed: bool  # its time can feed the width policy (the draft did not project a long backlog)
     lookup_offered: int = 0  # nodes of the n-gram branch in the tree
+    logprobs: Array | None = None  # `TreeOps.round_logprobs` of its verify, when asked
+    top: int = 0  # the alternatives per position in `logprobs`
 
     @property
     def width(self) -> int:
         return self.draft.size + 1
+
+    @property
+    def drafts(self) -> bool:
+        """The drafter proposed for it (it consumed the drafter's backlog)."""
+        return self.shape.width > 1 and not self.shape.lookup
 
 
 @dataclass
@@ -296,6 +312,7 @@ def generate_steps(
     cache = state.cache
     key = target.new_key(settings.seed)
     memory = target.memory
+    top = logprob_top(target, settings)
 
     # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only. The
     # drafter's context of each chunk is computed with it (`settle`), so the prompt's features are not kept
@@ -317,14 +334,23 @@ def generate_steps(
         else:
             target.launch(*context)  # queued before the first token's logits: done when they are read
     key, sub = target.split(key, 1)
-    first = target.read(_verdict(target, target.head(hidden[-1:]), target.tokens([]), None, params, sub))[1]
+    logits = target.head(hidden[-1:])
+    verdict = _verdict(target, logits, target.tokens([]), None, params, sub)
+    values = target.read(verdict, _one_row_logprobs(target, logits, verdict[1:2], top))
+    first = values[1]
     memory.clear()
-    step = Step([first], prefill_tokens=len(todo), verify_s=time.perf_counter() - tic, stopped=first in stop)
+    step = Step(
+        [first],
+        prefill_tokens=len(todo),
+        verify_s=time.perf_counter() - tic,
+        stopped=first in stop,
+        logprobs=_read_one_row(values[2:], first, top),
+    )
     yield step
     if step.stopped or max_tokens == 1:
         return
     if drafter is None:
-        yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop)
+        yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop, top)
         return
     lookup = None
     if trees:
@@ -335,6 +361,22 @@ def generate_steps(
     yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
 
 
+def logprob_top(target: TargetModel, settings: GenerationSettings) -> int | None:
+    """How many alternatives each committed token's log-probability comes with (at most the vocabulary);
+    None: none are computed."""
+    return None if settings.logprobs is None else min(settings.logprobs, target.vocab_size)
+
+
+def _one_row_logprobs(target: TargetModel, logits: Array, token: Array, top: int | None) -> Array | None:
+    """The log-probability table of one token picked from `logits` [1, V], lazily; None when not asked."""
+    return None if top is None else target.trees.token_logprobs(logits, token, top)
+
+
+def _read_one_row(values: list[int], token: int, top: int | None) -> list[TokenLogprob] | None:
+    """`_one_row_logprobs`, read (`values`: what the read returned after the token)."""
+    return None if top is None else [read_table(values, 1, 1, top).entry(0, 0, token)]
+
+
 # The shortest n-gram of the context that puts its continuation into a draft tree: single tokens match
 # everywhere in prose, and a branch that is rarely right takes budget from the model's nodes.
 LOOKUP_MIN_NGRAM = 2
@@ -342,7 +384,11 @@ LOOKUP_MIN_NGRAM = 2
 
 def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, remaining: int, params, key):
     """The round's drafts on the device: a tree (the drafter's best prefixes and the lookup's branch) or a
-    chain; the chain's draft distributions (None: a tree, or drafted deterministically); lookup nodes offered."""
+    chain (the drafter's or the lookup's); the chain's draft distributions (None: a tree, or drafted
+    deterministically); lookup nodes offered."""
+    if shape.lookup:
+        found = proposers.lookup.indexed_lookup(anchor, min(shape.width - 1, remaining - 1))
+        return target.trees.chain(target.tokens(found), LOOKUP), None, len(found)
     if shape.tree:
         budget = shape.width - 1
         found = proposers.lookup_branch(anchor, budget, remaining)
@@ -365,9 +411,11 @@ def _launch(
     shape: Shape,
     block_size: int,
     remaining: int,
+    top: int | None = None,
 ) -> _Round:
     """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict. `keys`: the
-    draft's and the verdict's random keys (None when greedy); `remaining`: tokens still to generate."""
+    draft's and the verdict's random keys (None when greedy); `remaining`: tokens still to generate; `top`: the
+    alternatives of each committed token's log-probability (None: none computed)."""
     k_draft, k_accept = keys
     tic = time.perf_counter()
     draft, draft_probs, timed, offered = target.trees.chain(target.tokens([])), None, True, 0
@@ -375,7 +423,7 @@ def _launch(
     if shape.width > 1 and remaining > 1:
         # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
         # this round's time unrepresentative: the policy then learns only its acceptance.
-        timed = proposers.drafter.backlog <= block_size
+        timed = shape.lookup or proposers.drafter.backlog <= block_size
         # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
         draft, draft_probs, offered = _draft(target, proposers, anchor, shape, remaining, params, k_draft)
         target.launch(draft.tokens, draft_probs)
@@ -389,8 +437,9 @@ def _launch(
         verdict = target.trees.chain_verdict(draft, judged)
     else:
         verdict = target.trees.verdict(draft, logits, params, k_accept)
-    target.launch(verdict)
-    return _Round(shape, draft, feats, verdict, draft_s, timed, offered)
+    logprobs = None if top is None else target.trees.round_logprobs(logits, draft, verdict, top)
+    target.launch(verdict, logprobs)
+    return _Round(shape, draft, feats, verdict, draft_s, timed, offered, logprobs, top or 0)
 
 
 def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
@@ -405,14 +454,14 @@ def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
 
 def _commit(
     target: TargetModel, state: DecodeState, proposers: _Proposers, rnd: _Round, anchor: int, values: list, stop: set
-) -> tuple[Step, int]:
-    """The step a read round commits (`values`: its verdict, then its drafts), up to the first stop token,
-    and the accepted path's depth. The target processed [anchor] + drafts; the accepted path's first
-    len(committed) positions stay in its cache, in order, and the rest goes; that much is what the
-    drafters observe and `state.processed` gains."""
+) -> tuple[Step, Path]:
+    """The step a read round commits (`values`: its verdict, then its drafts, then its log-probability table
+    if it has one), up to the first stop token, and the accepted path. The target processed [anchor] +
+    drafts; the accepted path's first len(committed) positions stay in its cache, in order, and the rest goes;
+    that much is what the drafters observe and `state.processed` gains."""
     size = rnd.draft.size
     path = target.trees.read_path(values, size)
-    drafts = values[3 + 2 * size :]
+    drafts = values[3 + 2 * size : 3 + 3 * size]
     committed = [drafts[i - 1] for i in path.positions[1:]] + [path.next_token]
     stopped = False
     for i, t in enumerate(committed):
@@ -429,8 +478,13 @@ def _commit(
     proposers.drafter.observe(processed, feats)
     if proposers.lookup is not None:
         proposers.lookup.observe(processed, None)
-        proposers.learn(rnd.lookup_offered, sum(1 for source in path.sources if source & LOOKUP))
+        if rnd.shape.tree:
+            proposers.learn(rnd.lookup_offered, path.lookup_kept)
     state.processed.extend(processed)
+    logprobs = None
+    if rnd.logprobs is not None:
+        table = read_table(values[3 + 3 * size :], size + 1, rnd.width, rnd.top)
+        logprobs = path_logprobs(table, path.positions, committed)
     step = Step(
         committed,
         drafted=size,
@@ -439,23 +493,35 @@ def _commit(
         source=SOURCE_NAMES.get(path.sources[m - 2], "") if m > 1 else "",
         draft_s=rnd.draft_s,
         stopped=stopped,
+        logprobs=logprobs,
     )
-    return step, path.depth
+    return step, path
 
 
 def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: WidthPolicy | None):
-    """(context, tokens generated) -> the next round's `Shape`: a fixed tree, the policy's choice, or a chain of
-    `settings.block_size` (a number here), never wider than the tokens still to generate."""
+    """(context, tokens generated, anchor) -> the next round's `Shape`: a fixed tree, the policy's choice, or a
+    chain of `settings.block_size` (a number here), never wider than the tokens still to generate. With the
+    anchor known, the policy also weighs the n-gram lookup's continuation after it; a round planned before
+    its anchor is read gets None (decide after the read) where that continuation could beat a plain step,
+    so a plain streak still notices when the text starts repeating its context."""
     fixed_tree = Shape(settings.tree + 1, tree=True) if proposers.lookup and isinstance(settings.tree, int) else None
+    lookup_cap = policy.lookup.size if policy is not None and policy.lookup is not None else 0
 
-    def shape_for(context: int, generated: int) -> Shape:
+    def shape_for(context: int, generated: int, anchor: int | None = None) -> Shape | None:
         left = settings.max_tokens - generated
         if fixed_tree is not None:
             return fixed_tree if left > 1 else Shape(1)
         if policy is None:
             return Shape(min(settings.block_size, left))
-        shape = policy.choose(context)
-        return shape if shape.tree and left > 1 else Shape(min(shape.width, left))
+        if lookup_cap and anchor is None and left > 1 and policy.lookup_may_pay(context):
+            return None
+        found = 0
+        if lookup_cap and anchor is not None and left > 1:
+            found = len(proposers.lookup.indexed_lookup(anchor, min(lookup_cap, left - 1)))
+        shape = policy.choose(context, found)
+        if shape.tree:
+            return shape if left > 1 else Shape(1)
+        return replace(shape, width=min(shape.width, left))
 
     return shape_for
 
@@ -479,11 +545,12 @@ def _speculative_steps(
     drafter = proposers.drafter
     capture, keys = bool(drafter.target_layer_ids), _round_keys(target, key, params.greedy)
     shape_for, generated = _shape_chooser(settings, proposers, policy), 1
+    top = logprob_top(target, settings)
 
     def launch(anchor: int | None, anchor_ids: Array, shape: Shape, committed: int) -> _Round:
         rnd = _launch(
             target, proposers, cache, capture, params, next(keys), anchor, anchor_ids, shape, block_size,
-            max_tokens - committed,
+            max_tokens - committed, top,
         )  # fmt: skip
         state.ahead += rnd.width  # its forward sits in the cache past `state.processed`
         return rnd
@@ -495,7 +562,7 @@ def _speculative_steps(
         while generated < max_tokens:
             context = len(state.processed) + 1  # positions the current round's anchor sits after, plus one
             if queued is None:
-                shape = planned if planned is not None else shape_for(context, generated)
+                shape = planned if planned is not None else shape_for(context, generated, anchor)
                 planned = None
                 queued = launch(anchor, target.tokens([anchor]), shape, generated)
             rnd, queued = queued, None
@@ -503,15 +570,17 @@ def _speculative_steps(
                 # Plain round: choose the next shape now; if it is plain too, queue its forward on this
                 # round's (unread) token before reading, as `_plain_steps` does.
                 planned = shape_for(context + 1, generated + 1)
-                if planned.width == 1:
+                if planned is not None and planned.width == 1:
                     planned = None
                     queued = launch(None, rnd.verdict[1:2], Shape(1), generated + 1)
-            values = target.read(rnd.verdict, rnd.draft.tokens)
+            values = target.read(rnd.verdict, rnd.draft.tokens, rnd.logprobs)
             now = time.perf_counter()
-            step, depth = _commit(target, state, proposers, rnd, anchor, values, stop)
+            step, path = _commit(target, state, proposers, rnd, anchor, values, stop)
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
-                policy.observe_round(rnd.shape, depth, context, now - last_read, rnd.timed)
+                policy.observe_round(
+                    rnd.shape, path.depth, context, now - last_read, rnd.timed, rnd.lookup_offered, path.lookup_kept
+                )
             step.verify_s, last_read = max(now - last_read - rnd.draft_s, 0.0), now
             committed = step.tokens
             target.memory.tick(generated, generated + len(committed))
@@ -520,10 +589,10 @@ def _speculative_steps(
             if not step.stopped and generated < max_tokens and queued is None and target.lazy:
                 # Queue the next round before handing this one over. Only where work is lazy: torch computes a
                 # draft the moment it is asked for, and its drafter could then no longer roll this round back.
-                shape = planned if planned is not None else shape_for(len(state.processed) + 1, generated)
+                shape = planned if planned is not None else shape_for(len(state.processed) + 1, generated, anchor)
                 planned = None
                 queued = launch(anchor, target.tokens([anchor]), shape, generated)
-            if (queued is None or queued.width == 1) and drafter.backlog >= block_size:
+            if (queued is None or not queued.drafts) and drafter.backlog >= block_size:
                 target.launch(*drafter.settle())  # plain rounds: project their context in batches, off the read
             yield step
             if step.stopped:
@@ -536,14 +605,27 @@ def _speculative_steps(
             state.ahead = 0
 
 
-def _next_token(target: TargetModel, cache, token: Array, params: SamplingParams, key) -> Array:
-    """Run one token through the target and pick the next one, lazily where the library is lazy."""
+def _next_token(
+    target: TargetModel, cache, token: Array, params: SamplingParams, key, top: int | None = None
+) -> tuple[Array, Array | None]:
+    """Run one token through the target and pick the next one, lazily where the library is lazy; with `top`,
+    the picked token's log-probability table too (`_one_row_logprobs`)."""
     hidden, _ = target.forward(token, cache, capture=False)
-    return pick(target, target.head(hidden[-1:]), params, key)[0]
+    logits = target.head(hidden[-1:])
+    picked = pick(target, logits, params, key)[0]
+    return picked, _one_row_logprobs(target, logits, picked, top)
 
 
 def _plain_steps(
-    target: TargetModel, state: DecodeState, owner, anchor: int, params, key, budget: int, stop: set
+    target: TargetModel,
+    state: DecodeState,
+    owner,
+    anchor: int,
+    params,
+    key,
+    budget: int,
+    stop: set,
+    top: int | None = None,
 ) -> Iterator[Step]:
     """Plain decoding, pipelined as mlx-lm does it: the forward for token i + 1 is queued
     before token i is read back, so Python overhead overlaps the computation.
@@ -559,31 +641,32 @@ def _plain_steps(
     sub = None
     if not params.greedy:
         key, sub = target.split(key, 1)
-    nxt = _next_token(target, cache, target.tokens([anchor]), params, sub)
+    nxt, nxt_logprobs = _next_token(target, cache, target.tokens([anchor]), params, sub, top)
     state.processed.append(anchor)
-    target.launch(nxt)
+    target.launch(nxt, nxt_logprobs)
     try:
         for i in range(budget):
-            ahead = None
+            ahead = ahead_logprobs = None
             if i + 1 < budget:
                 if not params.greedy:
                     key, sub = target.split(key, 1)
-                ahead = _next_token(target, cache, nxt, params, sub)
-                target.launch(ahead)
-            token = target.read(nxt)[0]
+                ahead, ahead_logprobs = _next_token(target, cache, nxt, params, sub, top)
+                target.launch(ahead, ahead_logprobs)
+            values = target.read(nxt, nxt_logprobs)
+            token = values[0]
             if ahead is not None:
                 state.ahead = 1  # `token` is in the cache, not yet committed to `processed`
             now = time.perf_counter()
             stopped = token in stop
             target.memory.tick(i, i + 1)
-            yield Step([token], verify_s=now - tic, stopped=stopped)
+            yield Step([token], verify_s=now - tic, stopped=stopped, logprobs=_read_one_row(values[1:], token, top))
             tic = now
             if stopped:
                 return
             if ahead is not None:
                 state.processed.append(token)
                 state.ahead = 0
-            nxt = ahead
+            nxt, nxt_logprobs = ahead, ahead_logprobs
     finally:
         if state.owner is owner and state.ahead:  # the forward of the last committed token ran ahead: undo it
             target.sync(nxt)

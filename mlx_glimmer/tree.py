@@ -211,6 +211,36 @@ def chain_verdict(tree: DraftTree, judged: mx.array) -> mx.array:
     return mx.concatenate([judged.astype(mx.int32), marks, tree.sources])
 
 
+def token_logprobs(logits: mx.array, tokens: mx.array, top: int, rows: mx.array | None = None) -> mx.array:
+    """int32 [n + 2 * W * top] lazily: the log-softmax of `logits` [W, V] (float32, before any sampling filter) at
+    row `rows[i]` (default: row i) for `tokens[i]`, then every row's `top` likeliest tokens, best first: their
+    log-probabilities, then their ids. The floats travel as their int32 bit patterns (`logprobs.read_table`),
+    so a round reads them with its verdict, in its one integer host read."""
+    logp = logits.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    rows = mx.arange(tokens.shape[0]) if rows is None else rows.astype(mx.int32)
+    floats = [logp[rows, tokens.astype(mx.int32)]]
+    ids = mx.zeros((0,), mx.int32)
+    if top:
+        ids = mx.argpartition(-logp, top - 1, axis=-1)[:, :top]
+        values = mx.take_along_axis(logp, ids, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        floats.append(mx.take_along_axis(values, order, axis=-1).reshape(-1))
+        ids = mx.take_along_axis(ids, order, axis=-1).reshape(-1).astype(mx.int32)
+    return mx.concatenate([mx.view(mx.concatenate(floats), mx.int32), ids])
+
+
+def round_logprobs(logits: mx.array, tree: DraftTree, verdict: mx.array, top: int) -> mx.array:
+    """`token_logprobs` of a verify round, lazily: every node's token at its parent's row, then the next token
+    (`verdict`'s, in its form) at the row of the accepted path's end. The committed tokens are the path's nodes
+    and that next token, so whatever path the verdict takes, their values are here (`logprobs.path_logprobs`)."""
+    marks = verdict[2 : 3 + tree.size]
+    end = mx.argmax(marks * tree.depths)  # the deepest marked position: the path's end
+    rows = mx.concatenate([tree.parents, end[None].astype(mx.int32)])
+    tokens = mx.concatenate([tree.tokens.astype(mx.int32), verdict[1:2].astype(mx.int32)])
+    return token_logprobs(logits, tokens, top, rows)
+
+
 @dataclass
 class Path:
     """A read verdict: the accepted path's positions in [anchor, nodes] (the anchor's 0 first), the target's
@@ -223,6 +253,12 @@ class Path:
     @property
     def depth(self) -> int:
         return len(self.positions) - 1
+
+    @property
+    def lookup_kept(self) -> int:
+        """Nodes of the path the n-gram lookup proposed (a prefix of it: the lookup's branch hangs from the
+        anchor)."""
+        return sum(1 for source in self.sources if source & LOOKUP)
 
 
 def read_path(values: list[int], size: int) -> Path:

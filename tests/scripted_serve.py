@@ -38,7 +38,7 @@ def find(seq: list[int], sub: list[int], end: int) -> bool:
 class ScriptedTarget(Target):
     """The scripted token after each position travels with the hidden states (one extra column, -1 for none), so
     the head forces it whatever order the loop calls forward and head in; the drafter's own hidden states have no
-    such column and get the real head."""
+    such column and get the real head. A draft tree's nodes each follow their own root path."""
 
     def __init__(self, base: Target, marker: int, scripts: list[tuple[list[int], list[int]]], eos: int):
         super().__init__(base.model, base.config)
@@ -51,26 +51,49 @@ class ScriptedTarget(Target):
         """The script for the generation marker at `m`: the first whose trigger the conversation holds."""
         return next((reply for trigger, reply in self.scripts if find(hist, trigger, m)), None)
 
+    def scripted_after(self, hist: list[int], end: int, m: int | None, replies: dict, shared: int) -> int:
+        """The scripted token after `hist[: end + 1]`, whose last generation marker is at `m` (-1: none, the
+        real logits apply). `replies` memoizes the script of each marker, by position below `shared` (where all
+        the histories of one call agree), else by what the history holds from `shared` to the marker."""
+        if m is None:
+            return -1
+        key = m if m < shared else tuple(hist[shared : m + 1])
+        if key not in replies:
+            replies[key] = self.reply(hist, m)
+        reply, k = replies[key], end - m
+        return -1 if reply is None else reply[k] if k < len(reply) else self.eos
+
     def forward(self, tokens, cache, capture, tree=None):
-        assert tree is None, "a scripted target reads its history as a chain: serve it with --tree off"
         first = cache[0]
         offset = first.offset
-        hist = getattr(first, "_scripted_hist", [])[:offset] + [int(t) for t in np.array(tokens)]
-        hidden, feats = super().forward(tokens, cache, capture)
+        ids = [int(t) for t in np.array(tokens)]
+        hist = getattr(first, "_scripted_hist", [])[:offset] + ids
+        hidden, feats = super().forward(tokens, cache, capture, tree)
         first._scripted_hist = hist  # copied with the cache when the prefix cache forks a conversation
         m = next((i for i in range(offset - 1, -1, -1) if hist[i] == self.marker), None)
         replies, scripted = {}, []
-        for p in range(offset, len(hist)):  # the scripted token after each position of this call
-            if hist[p] == self.marker:
-                m = p
-            if m is not None and m not in replies:
-                replies[m] = self.reply(hist, m)
-            reply = replies.get(m)
-            k = p - m if m is not None else 0
-            scripted.append(-1 if reply is None else reply[k] if k < len(reply) else self.eos)
+        if tree is None:  # a chain: the scripted token after each position of this call
+            for p in range(offset, len(hist)):
+                if hist[p] == self.marker:
+                    m = p
+                scripted.append(self.scripted_after(hist, p, m, replies, offset))
+        else:  # a draft tree ([anchor, nodes]): each node's history is the cache's, then its root path
+            for row in np.array(tree.ancestors):
+                path = [ids[j] for j in np.flatnonzero(row)]
+                node = hist[:offset] + path
+                last = next((offset + j for j in range(len(path) - 1, -1, -1) if path[j] == self.marker), m)
+                scripted.append(self.scripted_after(node, len(node) - 1, last, replies, offset + 1))
         self.dtype = hidden.dtype
         column = mx.array(scripted, dtype=mx.float32)[:, None]
         return mx.concatenate([hidden.astype(mx.float32), column], axis=-1), feats
+
+    def keep(self, cache, positions, width):
+        """A verify's kept positions (a tree's accepted path) become the history's newest entries, as in the
+        cache."""
+        first = cache[0]
+        base, hist = first.offset - width, first._scripted_hist
+        first._scripted_hist = hist[:base] + [hist[base + p] for p in positions]
+        super().keep(cache, positions, width)
 
     def scripted_head(self, h):
         if h.shape[-1] != self.hidden_size + 1:

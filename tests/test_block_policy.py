@@ -207,3 +207,43 @@ def test_auto_with_trees_still_falls_back_to_plain_when_nothing_is_kept():
     policy = width_policy(16, linear_cost(32, per_token=0.06), tree_widths=TREE_WIDTHS)
     shapes = run_shapes(policy, chain_depth=lambda w: 0, tree_depth=lambda w: 0)
     assert sum(s.width == 1 for s in shapes[-100:]) >= 90
+
+
+def test_a_shape_is_judged_by_its_own_rounds_when_the_table_misjudges_it():
+    """A table timed under load can rate a 16-token verify as cheap as an 8-token one; the rounds tell."""
+    table = VerifyCost(32, [[0.1] * 32 for _ in range(4)])  # every width "costs" the same
+
+    def real_seconds(shape: Shape) -> float:
+        return 0.1 + 0.05 * (shape.width - 1)
+
+    policy = width_policy(16, table, tree_widths=TREE_WIDTHS)
+    shapes = []
+    for _ in range(300):
+        shape = policy.choose(100)
+        shapes.append(shape)
+        depth = 0 if shape.width == 1 else min(shape.width - 1, 3 if shape.tree else 1)
+        policy.observe_round(shape, depth, 100, seconds=real_seconds(shape))
+    late = shapes[-100:]
+    # Truly best: a tree of 4 (4 tokens in 0.25 s); the table alone would pick the widest tree.
+    assert sum(s == Shape(4, tree=True) for s in late) >= 80, late
+
+
+def test_the_lookups_continuation_alone_is_chosen_when_it_is_found_and_kept():
+    """Where the context repeats itself the n-gram continuation, verified alone, needs no drafter call; with
+    nothing found the policy goes back to what it drafts."""
+    policy = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    shapes = []
+    for i in range(300):
+        found = 12 if i % 2 else 0
+        shape = policy.choose(100, found)
+        shapes.append((found, shape))
+        if shape.lookup:
+            assert shape.width <= found + 1
+            depth = shape.width - 1  # the lookup is always right
+        else:
+            depth = 0 if shape.width == 1 else min(shape.width - 1, 2)
+        drafting = 0.0 if shape.lookup or shape.width == 1 else 0.3
+        policy.observe_round(shape, depth, 100, seconds=policy.cost.estimate(shape.width, 100) + drafting)
+    late = shapes[-100:]
+    assert sum(s.lookup and s.width == 13 for found, s in late if found) >= 40  # the rest: probes
+    assert not any(s.lookup for found, s in late if not found)

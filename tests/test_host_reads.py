@@ -83,7 +83,9 @@ def tokens_of(steps):
 class AlwaysPlain:
     """A width policy that never drafts: every round is a width-1 round of the drafting loop."""
 
-    def choose(self, context):
+    lookup = None  # no n-gram chains offered
+
+    def choose(self, context, found=0):
         return Shape(1)
 
     def shapes(self):
@@ -199,6 +201,23 @@ def test_a_tree_round_blocks_on_the_host_once(muse_pair, plain, blocking, params
 def test_plain_decoding_reads_once_per_token(muse_pair, plain, blocking):
     steps, per = per_step(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=80)), blocking)
     assert all(p == ["tolist"] for p in per[1:]) and tokens_of(steps) == plain
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("shape", ["plain", "chain", "tree", "auto"])
+def test_log_probabilities_ride_on_the_rounds_one_read(muse_pair, plain, blocking, params, shape):
+    """Asked for, every committed token's log-probability and 5 alternatives come back with the verdict they
+    were judged by: still one blocking read per target call, the prefill's included."""
+    settings = GenerationSettings(params, max_tokens=40, logprobs=5, speculative=shape != "plain")
+    settings = settings.updated(**{"chain": {"block_size": 8, "tree": "off"}, "tree": {"tree": 15}}.get(shape, {}))
+    policy = plain_leaning_policy(8) if shape == "auto" else None
+    steps, per = per_step(
+        generate_steps(muse_pair.target, PROMPT, settings, drafter=muse_pair.drafter, policy=policy), blocking
+    )
+    assert all(p == ["tolist"] for p in per), per
+    assert all(len(s.logprobs) == len(s.tokens) for s in steps)
+    if params.greedy:
+        assert tokens_of(steps) == plain[:40]
 
 
 def test_an_oracle_round_reads_once_and_commits_whole_blocks(muse_pair, plain, blocking):

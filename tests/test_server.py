@@ -271,7 +271,12 @@ BAD_REQUESTS = [
         400,
         "tools",
     ),
-    ("logprobs", {"model": "demo", "messages": ask("hi"), "logprobs": True}, 400, "logprobs"),
+    (
+        "top_logprobs past 20",
+        {"model": "demo", "messages": ask("hi"), "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     ("five stop strings", {"model": "demo", "messages": ask("hi"), "stop": list("abcde")}, 400, "stop"),
     ("prompt over the context", {"model": "demo", "messages": ask(LONG)}, 400, "messages"),
     ("max_tokens past the context", {"model": "demo", "messages": ask("hi"), "max_tokens": 9000}, 400, "max_tokens"),
@@ -308,7 +313,7 @@ def test_bad_completions_and_routes(server):
         ({"model": "demo", "prompt": ""}, "prompt"),
         ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
         ({"model": "demo", "prompt": [10**9]}, "prompt"),
-        ({"model": "demo", "prompt": "hi", "echo": True}, "echo"),
+        ({"model": "demo", "prompt": "hi", "logprobs": 21}, "logprobs"),
     ]:
         r = httpx.post(server.url + "/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text

@@ -1,11 +1,12 @@
 """Concurrent requests decoded together (server/batch.py): outputs equal solo ones, a lone request stays
 speculative, the prefix cache keeps working, `/metrics` shows the batch size.
 
-Most tests run the generation worker in-process on the tiny random llama pair (plain KV caches: it batches)
-and the tiny Muse pair (sliding-window caches: it does not); the last ones run `mlx-glimmer serve` on the demo
-pair (SmolLM2-135M-Instruct + its DFlash drafter), as a client sees it, hence `network`. Greedy outputs of a
-batch may differ from solo ones only at a floating-point tie: a difference is reported with both kernels'
-margins (`explain_batched_divergence`) and passes only if it is one.
+Most tests run the generation worker in-process on the tiny random llama pair (plain KV caches) and the tiny
+Muse pair (sliding-window layers, window 8, batched by `batch_cache.BatchWindowedKVCache`; run far past the
+window); the last ones run `mlx-glimmer serve` on the demo pair (SmolLM2-135M-Instruct + its DFlash drafter), as
+a client sees it, hence `network`. Greedy outputs of a batch may differ from solo ones only at a floating-point
+tie: a difference is reported with both kernels' margins (`explain_batched_divergence`) and passes only if it
+is one.
 """
 
 from __future__ import annotations
@@ -20,14 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from serving import ServeProcess, collect
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
+from mlx_glimmer.cache import WindowedKVCache
 from mlx_glimmer.divergence import mlx_dtype
 from mlx_glimmer.generate import encode_prompt
-from mlx_glimmer.server.batch import BatchPolicy, batch_support, explain_batched_divergence
+from mlx_glimmer.server.batch import (
+    BatchPolicy,
+    DecodeBatch,
+    Row,
+    batch_support,
+    explain_batched_divergence,
+    forward_rows,
+)
+from mlx_glimmer.server.batch_cache import BatchWindowedKVCache, merge_rows
 from mlx_glimmer.server.metrics import metrics_text
 from mlx_glimmer.server.prompt_cache import Conversation
 from mlx_glimmer.server.worker import Delta, Finished, GenerationRequest, GenerationWorker, Job
@@ -88,6 +99,20 @@ def assert_equal_or_tie(pair, prompt, reference: list[int], tokens: list[int], r
     assert d is not None, f"one output is a prefix of the other: {len(reference)} vs {len(tokens)} tokens"
     print(f"batched output parts from solo at token {d['position']} {d['tokens']}: {d['kernels']}")
     assert d["tie"], d
+
+
+def assert_cached_drafter_followed(worker, pair, prompt) -> None:
+    """The cached conversation that answered `prompt` has a drafter (a copy of it is asked, so the cached one
+    stays as it is) that drafts what a cold drafter that read the same tokens in one prefill drafts."""
+    cache = worker.prompt_cache
+    warm = cache.fork(next(c for c in cache._entries.values() if c.tokens[: len(prompt)] == prompt))
+    cold = Conversation(DecodeState(), copy.copy(pair.drafter))
+    mlx_glimmer.generate(replace(pair, drafter=cold.drafter), warm.tokens, max_tokens=1, block_size=4, state=cold.state)
+    assert cold.tokens == warm.tokens
+    params, key = SamplingParams(temperature=1.0), mx.random.key(0)
+    _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
+    _, cold_probs = cold.drafter.propose(cold.tokens[-1], 3, params, key)
+    assert mx.allclose(warm_probs, cold_probs, atol=1e-4).item()
 
 
 # ---- the policy and the settings ------------------------------------------------------------------------
@@ -207,20 +232,7 @@ def test_follow_ups_of_batched_turns_hit_the_prefix_cache_and_their_drafter_foll
             d.token_ids,
             len(follow),
         )
-
-    # The cached conversation's drafter (a copy of it, so the cached one stays as it is) drafts what a cold
-    # drafter that read the same tokens in one prefill drafts.
-    cache = llama_worker.prompt_cache
-    warm = cache.fork(next(c for c in cache._entries.values() if c.tokens[: len(follow[0])] == follow[0]))
-    cold = Conversation(DecodeState(), copy.copy(llama_pair.drafter))
-    mlx_glimmer.generate(
-        replace(llama_pair, drafter=cold.drafter), warm.tokens, max_tokens=1, block_size=4, state=cold.state
-    )
-    assert cold.tokens == warm.tokens
-    params, key = SamplingParams(temperature=1.0), mx.random.key(0)
-    _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
-    _, cold_probs = cold.drafter.propose(cold.tokens[-1], 3, params, key)
-    assert mx.allclose(warm_probs, cold_probs, atol=1e-4).item()
+    assert_cached_drafter_followed(llama_worker, llama_pair, follow[0])
 
 
 def test_stop_strings_cancels_and_sampling_inside_a_batch(llama_worker, llama_pair):
@@ -278,35 +290,213 @@ def test_over_http_responses_and_metrics_show_the_batch(llama_worker, llama_pair
         assert f"\n{name}" in text
 
 
-def test_a_difference_is_explained_with_both_kernels_margins(llama_pair):
-    prompt = PROMPTS[0]
-    ref = solo(llama_pair, prompt, max_tokens=8, block_size=4).token_ids
-    other = ref[:3] + [(ref[3] + 1) % llama_pair.target.vocab_size] + ref[4:]
-    d = explain_batched_divergence(llama_pair.target, "float32", prompt, ref, other, 4)
+@pytest.mark.parametrize("pair_name", ["llama_pair", "muse_pair"])
+def test_a_difference_is_explained_with_both_kernels_margins(pair_name, request):
+    pair = request.getfixturevalue(pair_name)
+    prompt = PROMPTS[0] * 2  # past the Muse target's window
+    ref = solo(pair, prompt, max_tokens=8, block_size=4).token_ids
+    other = ref[:3] + [(ref[3] + 1) % pair.target.vocab_size] + ref[4:]
+    d = explain_batched_divergence(pair.target, "float32", prompt, ref, other, 4)
     assert d["position"] == 3 and d["tokens"] == [ref[3], other[3]] and not d["tie"]  # not a tie: made up
     assert set(d["kernels"]) == {"step (1 row)", "batched (4 rows)"}
     assert all(k["argmax"] == ref[3] and k["gap"] > k["tolerance"] for k in d["kernels"].values())
-    assert explain_batched_divergence(llama_pair.target, "float32", prompt, ref, list(ref), 4) is None
+    assert explain_batched_divergence(pair.target, "float32", prompt, ref, list(ref), 4) is None
 
 
-# ---- the tiny Muse pair: sliding-window layers, served one at a time ---------------------------------------
+# ---- the batched window cache ---------------------------------------------------------------------------
+
+WINDOW = 8  # the tiny Muse target's sliding window
 
 
-def test_a_sliding_window_target_serves_concurrent_requests_one_at_a_time(muse_pair):
-    reason = batch_support(muse_pair.target)
-    assert reason is not None and "WindowedKVCache" in reason
+def random_kv(rng, rows: int, length: int) -> tuple[mx.array, mx.array]:
+    """Random keys and values: `rows` rows of `length` new positions (2 heads of 4)."""
+    return tuple(mx.array(rng.standard_normal((rows, 2, length, 4)).astype(np.float32)) for _ in range(2))
+
+
+def twin_window_caches(rng, reserve: int, length: int, verify: int = 0, kept: int = 0) -> list[WindowedKVCache]:
+    """Two identical `WindowedKVCache`s: a prefill of `length` positions, then a verify of `verify` positions
+    of which `kept` are kept."""
+    twins = [WindowedKVCache(WINDOW, reserve), WindowedKVCache(WINDOW, reserve)]
+    for n in (length, verify):
+        if n:
+            keys, values = random_kv(rng, 1, n)
+            for c in twins:
+                c.update_and_fetch(keys, values)
+    for c in twins:
+        c.trim(verify - kept)
+    return twins
+
+
+def assert_same_window_cache(got: WindowedKVCache, expected: WindowedKVCache) -> None:
+    """The same entries (bit for bit), position, window and rollback room."""
+    assert (got.window, got.reserve, got.offset) == (expected.window, expected.reserve, expected.offset)
+    for a, b in zip(got.state, expected.state):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    assert [got.can_trim(n) for n in range(40)] == [expected.can_trim(n) for n in range(40)]
+
+
+def test_the_batched_window_cache_keeps_each_row_as_its_own_window_cache_would():
+    """Rows of different lengths (one shorter than the window: left padding) and rollback reserves, one joining
+    after a verify that kept part of its block: at every step each row attends to exactly the keys its own
+    `WindowedKVCache` gives it within the window; a row extracted right after joining, one leaving mid-way and
+    every row at the end are the very cache decoding alone leaves, bit for bit."""
+    rng = np.random.default_rng(0)
+    short, long, verified = (
+        twin_window_caches(rng, reserve=2, length=3),
+        twin_window_caches(rng, reserve=4, length=30),
+        twin_window_caches(rng, reserve=6, length=20, verify=6, kept=2),  # holds more than it keeps at its next step
+    )
+    batch = BatchWindowedKVCache.merge([short[0], long[0]])
+    batch.step = 5  # a small buffer: the columns no row keeps are dropped (copied out) every few steps
+    assert_same_window_cache(batch.extract(0), short[1])
+    assert_same_window_cache(batch.extract(1), long[1])
+    own = [short[1], long[1]]  # each row's own cache, fed what its row is fed
+    for step in range(3 * WINDOW):
+        if step == 5:
+            batch.extend(BatchWindowedKVCache.merge([verified[0]]))
+            own.append(verified[1])
+        if step == 12:
+            assert_same_window_cache(batch.extract(0), own[0])
+            batch.filter([1, 2])
+            own = own[1:]
+        mask = np.array(batch.make_mask(1))  # asked before the update, as the model asks
+        keys, values = random_kv(rng, len(own), 1)
+        got = np.array(batch.update_and_fetch(keys, values)[0])
+        for i, c in enumerate(own):
+            seen = np.array(c.make_mask(1, return_array=True))[0]
+            expected = np.array(c.update_and_fetch(keys[i : i + 1], values[i : i + 1])[0])[0][:, seen]
+            np.testing.assert_array_equal(got[i][:, mask[i, 0, 0]], expected)
+    for i, c in enumerate(own):
+        out = batch.extract(i)
+        assert_same_window_cache(out, c)
+        out.trim(1), c.trim(1)  # a step queued ahead of the last read, undone
+        assert_same_window_cache(out, c)
+
+
+# ---- the tiny Muse pair: sliding-window layers decode together too ---------------------------------------
+
+MUSE_PROMPTS = [[256] + list(f"Tell me about {topic}.".encode()) for topic in ("owls", "salt", "glass", "rivers")]
+
+
+def prefilled(target, context: list[int]) -> DecodeState:
+    """A request's state after its prompt: `context` but its last token in the cache (that one is its anchor)."""
+    state = DecodeState(cache=target.make_cache(reserve=8), processed=list(context[:-1]))
+    hidden, _ = target.forward(target.tokens(context[:-1]), state.cache, False)
+    target.sync(hidden, cache=state.cache)
+    return state
+
+
+def test_batched_muse_logits_equal_each_rows_solo_logits_past_the_window(muse_pair):
+    target = muse_pair.target
+    assert target.args.sliding_window == WINDOW
+    contexts = [MUSE_PROMPTS[0][:5], MUSE_PROMPTS[1] * 2, (MUSE_PROMPTS[2] * 3)[:40]]  # 5, 38 and 40 tokens
+    own = [prefilled(target, c).cache for c in contexts]
+    batch = merge_rows([prefilled(target, c).cache for c in contexts])
+    tokens = [c[-1] for c in contexts]
+    for _ in range(3 * WINDOW):
+        hidden, _ = forward_rows(target, mx.array(tokens, dtype=mx.uint32), batch, False)
+        batched = target.head(hidden)
+        for i, cache in enumerate(own):
+            hidden, _ = target.forward(target.tokens(tokens[i : i + 1]), cache, False)
+            solo = target.head(hidden)[0]
+            assert mx.allclose(batched[i], solo, rtol=1e-4, atol=1e-4).item()
+            tokens[i] = mx.argmax(solo).item()
+
+
+def test_a_request_leaving_a_batch_takes_back_the_cache_decoding_alone_leaves(muse_pair):
+    """Through `DecodeBatch` (steps queued one ahead; requests joining and leaving at different lengths): each
+    request's tokens are its greedy tokens, and the cache it takes back holds what its own cache holds after the
+    same forwards (the one queued ahead of its last read undone), past the window."""
+    target = muse_pair.target
+    contexts = [MUSE_PROMPTS[0], MUSE_PROMPTS[1][:6], MUSE_PROMPTS[3] + MUSE_PROMPTS[2]]
+    rows = [Row(prefilled(target, c), c[-1], SamplingParams()) for c in contexts]
+    batch = DecodeBatch(target)
+    batch.join(rows[0]), batch.join(rows[1])
+    plan = [2 * WINDOW, 1, 2 * WINDOW]  # steps; the third request joins after the first two, the first leaves
+    for _ in range(plan[0]):
+        batch.step()
+    batch.join(rows[2])
+    for _ in range(plan[1] + plan[2]):
+        batch.step()
+    batch.leave([rows[0]])
+    for _ in range(WINDOW):
+        batch.step()
+    batch.leave([rows[1], rows[2]])
+    assert not batch.rows and batch.cache is None
+
+    for context, row in zip(contexts, rows):
+        decoded = row.state.processed[len(context) - 1 :] + [row.anchor]
+        assert len(decoded) > 2 * WINDOW
+        alone = prefilled(target, context)
+        for token, following in zip(decoded, decoded[1:]):  # each token's forward gives the next one
+            hidden, _ = target.forward(target.tokens([token]), alone.cache, False)
+            assert mx.argmax(target.head(hidden)[0]).item() == following
+        target.forward(target.tokens([row.anchor]), alone.cache, False)  # the step queued ahead ...
+        target.trim(alone.cache, 1)  # ... undone when it left
+        for got, expected in zip(row.state.cache, alone.cache):
+            assert type(got) is type(expected) and got.offset == expected.offset
+            for a, b in zip(held(got), held(expected)):
+                assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+
+
+def held(cache) -> tuple[mx.array, mx.array]:
+    """The keys and values a layer's cache holds."""
+    if isinstance(cache, WindowedKVCache):
+        return cache.state
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
+
+@pytest.fixture(scope="module")
+def muse_worker(muse_pair):
     w = make_worker(muse_pair)
-    try:
-        assert not w.can_batch
-        results = together(w, PROMPTS, max_tokens=12, block_size=4)
-        m = metrics(w)
-    finally:
-        w.close(timeout=10)
-    for prompt, (text, d) in zip(PROMPTS, results):
-        ref = solo(muse_pair, prompt, max_tokens=12, block_size=4)
-        assert d.token_ids == ref.token_ids and text == ref.text
-        assert d.batched_tokens == 0 and d.batch_size == 1
-    assert m["glimmer_batching_supported"] == 0 and m["glimmer_batched_tokens_total"] == 0
+    yield w
+    w.close(timeout=10)
+
+
+def submit_in_turn(worker, prompts, deltas: int = 8, **settings) -> list[queue.Queue]:
+    """Each request submitted once the one before it has streamed `deltas` pieces of text: they join a lone
+    request, then a running batch, at different lengths."""
+    queues = []
+    for prompt in prompts:
+        if queues:
+            deadline = time.monotonic() + 300
+            while queues[-1].qsize() < deltas:
+                assert time.monotonic() < deadline, "the request before did not start"
+                time.sleep(0.005)
+        queues.append(submit(worker, prompt, **settings))
+    return queues
+
+
+def test_muse_requests_joining_at_different_times_decode_together_and_equal_their_solo_outputs(muse_worker, muse_pair):
+    assert batch_support(muse_pair.target) is None and muse_worker.can_batch
+    results = [collect(q) for q in submit_in_turn(muse_worker, MUSE_PROMPTS, max_tokens=200, block_size=4)]
+    m = idle(muse_worker)
+    for prompt, (text, done) in zip(MUSE_PROMPTS, results):
+        ref = solo(muse_pair, prompt, max_tokens=200, speculative=False)  # the target's greedy tokens, quicker
+        assert len(ref.token_ids) == 200  # 25 windows
+        assert_equal_or_tie(muse_pair, prompt, ref.token_ids, done.token_ids, len(MUSE_PROMPTS))
+        if done.token_ids == ref.token_ids:
+            assert text == ref.text
+        assert done.batched_tokens > 2 * WINDOW and done.batch_size > 1
+    assert max(done.batch_size for _, done in results) == len(MUSE_PROMPTS)
+    assert m['glimmer_batched_steps_total{batch_size="4"}'] > 0 and m["glimmer_batching_supported"] == 1
+    last = results[-1][1]  # it joined last: once the others were done, it went back to speculative decoding
+    widths = last.stats.verify_widths  # batched steps verify 1 token, speculative rounds 4 (block 4)
+    start = widths.index(1)
+    assert widths[start : start + last.batched_tokens] == [1] * last.batched_tokens
+    assert 4 in widths[start + last.batched_tokens :]
+
+    # Follow-ups, sent together: each takes its conversation from the prefix cache (its drafter context too),
+    # prefills only what it adds, and gives a cold start's tokens.
+    hits = metrics(muse_worker)["glimmer_prefix_cache_hits_total"]
+    follow = [p + d.token_ids + list(b" And?") for p, (_, d) in zip(MUSE_PROMPTS, results)]
+    seconds = together(muse_worker, follow, max_tokens=16, block_size=4)
+    assert metrics(muse_worker)["glimmer_prefix_cache_hits_total"] - hits >= len(follow)
+    for prompt, (_, d) in zip(follow, seconds):
+        assert d.stats.prefill_tokens <= len(b" And?") + 1 and d.batched_tokens > 0
+        ref = solo(muse_pair, prompt, max_tokens=16, speculative=False)
+        assert_equal_or_tie(muse_pair, prompt, ref.token_ids, d.token_ids, len(follow))
+    assert_cached_drafter_followed(muse_worker, muse_pair, follow[0])
 
 
 # ---- the demo pair through `mlx-glimmer serve` --------------------------------------------------------------

@@ -147,6 +147,15 @@ KNOWN = [  # (what, path, body, status, param)
     ("tree: 2.0", COMPLETIONS, {"prompt": "hi", "tree": 2.0}, 400, "tree"),
     ("tree: 'AUTO'", COMPLETIONS, {"prompt": "hi", "tree": "AUTO"}, 400, "tree"),
     ("echo: 1", COMPLETIONS, {"prompt": "hi", "echo": 1}, 400, "echo"),
+    ("logprobs: 1 in a chat", CHAT, chat(logprobs=1), 400, "logprobs"),
+    ("top_logprobs: 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top_logprobs: -1", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("top_logprobs with logprobs: false", CHAT, chat(logprobs=False, top_logprobs=0), 400, "top_logprobs"),
+    ("logprobs with n: 2", CHAT, chat(logprobs=True, n=2), 400, "n"),
+    ("logprobs: true in a completion", COMPLETIONS, {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("logprobs: 21 in a completion", COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs: 2.0 in a completion", COMPLETIONS, {"prompt": "hi", "logprobs": 2.0}, 400, "logprobs"),
     ("a token id true", COMPLETIONS, {"prompt": [1, True]}, 400, "prompt"),
     ("a token id past the vocabulary", COMPLETIONS, {"prompt": [2**70]}, 400, "prompt"),
     ("prompt: null", COMPLETIONS, {"prompt": None}, 400, "prompt"),
@@ -304,12 +313,13 @@ COMMON = {
     "speculative": st.booleans(),
     "block_size": field(st.one_of(st.integers(1, 16), st.just("auto")), st.integers(-1, 300)),
     "tree": field(st.sampled_from(["auto", "off"]), st.sampled_from([0, 64, -1, "chain", True, 2.5, [4]])),
-    "logprobs": field(st.just(False), st.booleans()),
     "presence_penalty": field(st.just(0), FLOATS),
     "user": PLAIN_TEXT,
 }
 CHAT_FIELDS = {
     **COMMON,
+    "logprobs": field(st.booleans(), INTS),
+    "top_logprobs": field(st.integers(0, 20), INTS),
     "max_completion_tokens": field(st.integers(1, 8), st.integers(-2, 0)),
     "tool_choice": st.sampled_from(["auto", "none", "required"]),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
@@ -325,6 +335,7 @@ CHAT_FIELDS = {
 }
 COMPLETION_FIELDS = {
     **COMMON,
+    "logprobs": field(st.integers(0, 5), st.one_of(INTS, st.booleans())),
     "echo": field(st.just(False), st.booleans()),
     "suffix": field(st.just(""), TEXT),
     "best_of": field(st.just(1), st.integers(0, 2)),

@@ -11,6 +11,8 @@ distribution.
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -24,12 +26,14 @@ from mlx_glimmer import tree as mlx_tree
 from mlx_glimmer.block_policy import TREE_WIDTHS, VerifyCost, width_policy
 from mlx_glimmer.cache import WindowedKVCache
 from mlx_glimmer.drafters.base import Drafter, Marginals
+from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.sampling import probabilities
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several windows of 8
 N_TOKENS = 300
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SAMPLED = SamplingParams(temperature=0.8, top_k=5)
 
 
@@ -712,3 +716,22 @@ def test_sampled_trees_keep_the_targets_distribution(small_vocab_pair):
     assert depths.count(0) > 50 and depths.count(1) > 100 and depths.count(2) > 0  # every kind of round
     for position, probs in enumerate(expected):
         assert chi_square_p(draws[:, position], probs) > 1e-3, f"token {position + 1}"
+
+
+def test_auto_verifies_the_lookups_continuation_alone_where_the_text_repeats(demo_pair):
+    """Asked to continue a given list in its format, the demo target repeats long spans of its prompt: `auto`
+    then verifies the n-gram continuation alone (no drafter call), and the output stays plain greedy's."""
+    prompt = json.loads((BENCHMARKS / "prompts_copy_heavy.jsonl").read_text().splitlines()[6])["prompt"]
+    ids = encode_prompt(demo_pair.tokenizer, prompt)
+    reference = mlx_glimmer.generate(demo_pair, ids, max_tokens=48, speculative=False)
+    # Probing every other drafting round: the choice follows wall-clock round times, and a short run on a
+    # loaded machine must still try the lookup's chain.
+    policy = width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS)
+    policy = dataclasses.replace(policy, probe_interval=2)
+    lookup_rounds = []
+    for _ in range(3):  # the policy learns what the lookup keeps, as it does over a conversation
+        steps = list(generate_steps(demo_pair.target, ids, GenerationSettings(max_tokens=48),
+                                    drafter=demo_pair.drafter, policy=policy))  # fmt: skip
+        assert tokens_of(steps)[: len(reference.token_ids)] == reference.token_ids
+        lookup_rounds += [s for s in steps[1:] if s.drafted and not s.tree and s.source == "lookup"]
+    assert len(lookup_rounds) >= 2 and sum(s.accepted for s in lookup_rounds) >= 16

@@ -5,7 +5,8 @@ Routes follow mlx_lm.server: `POST /v1/chat/completions` and `POST
 `GET /health`, and `GET /metrics` (Prometheus text). Responses carry the
 standard `usage` and our own figures in a `glimmer` object. Chat replies come
 back split (tools.py): reasoning in `reasoning_content`, tool calls parsed
-into `tool_calls`, the rest in `content`.
+into `tool_calls`, the rest in `content`. Log-probabilities, when asked, come
+with the text they belong to (`ResponseExtras`), as does a completion's echo.
 
 Requests are validated and tokenized on the HTTP side, then queued for the
 one generation thread (`worker.GenerationWorker`), which decodes concurrent
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..chat_template import reasoning_kwargs
 from ..errors import GlimmerError
 from ..generate import encode_prompt
+from ..logprobs import TokenLogprob
 from ..settings import BatchSettings, GenerationSettings
 from .metrics import metrics_text
 from .protocol import (
@@ -40,15 +42,18 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
+    TokenPieces,
+    chat_logprobs,
     chat_messages,
     check_messages,
+    completion_logprobs,
     error_body,
     parse,
     refuse_unsupported,
     request_settings,
 )
 from .tools import ResponseParser, ToolPlan, plan_tools, with_instruction
-from .worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job, QueueFull
+from .worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job, PromptLogprobs, QueueFull
 
 DEFAULT_CONTEXT = 131072  # when the target's config names no max_position_embeddings
 
@@ -174,7 +179,8 @@ async def completion(request: Request, chat: bool):
     if not tokens:
         raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
     settings, stop = request_settings(req, server.defaults, len(tokens), server.max_context)
-    gen = GenerationRequest(tokens, settings, stop)
+    extras = ResponseExtras.of(server, req, tokens, settings)
+    gen = GenerationRequest(tokens, settings, stop, prompt_logprobs=extras.echo is not None and extras.logprobs)
     reader = ResponseParser(server.pair.tokenizer, tokens, plan) if chat else None
 
     loop = asyncio.get_running_loop()
@@ -201,11 +207,62 @@ async def completion(request: Request, chat: bool):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            stream_events(job, events, shape, include_usage, reader),
+            stream_events(job, events, shape, include_usage, reader, extras),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await whole_response(request, job, events, shape, reader)
+    return await whole_response(request, job, events, shape, reader, extras)
+
+
+@dataclass
+class ResponseExtras:
+    """What a response carries besides the generated text: the prompt's text first (a completion's `echo`),
+    and log-probabilities in the endpoint's shape, each with the text it belongs to. For completions it keeps
+    the offset of the next token's text in the choice's text (`text_offset`)."""
+
+    chat: bool
+    pieces: TokenPieces | None = None  # log-probabilities asked
+    echo: str | None = None  # the echoed prompt
+    prompt_tokens: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    @classmethod
+    def of(cls, server: ServerState, req, tokens: list[int], settings: GenerationSettings) -> ResponseExtras:
+        chat = isinstance(req, ChatCompletionRequest)
+        tokenizer = server.pair.tokenizer
+        pieces = TokenPieces(tokenizer) if settings.logprobs is not None else None
+        echo = None
+        if not chat and req.echo:
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+            with server.tokenizer_lock:
+                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        return cls(chat, pieces, echo, tokens)
+
+    @property
+    def logprobs(self) -> bool:
+        return self.pieces is not None
+
+    def shaped(self, logprobs: list[TokenLogprob | None], tokens: list[int] | None = None) -> dict:
+        """`logprobs` (of `tokens`; default: their own tokens) in the endpoint's shape."""
+        if self.chat:
+            return chat_logprobs(self.pieces, logprobs)
+        tokens = tokens if tokens is not None else [lp.token for lp in logprobs]
+        out = completion_logprobs(self.pieces, tokens, logprobs, self.offset)
+        self.offset += sum(len(text) for text in out["tokens"])
+        return out
+
+    def after_echo(self) -> None:
+        """The echoed prompt is out: generated tokens' offsets count from its end."""
+        self.offset = len(self.echo or "")
+
+    def whole(self, prompt: list[TokenLogprob | None] | None, generated: list[TokenLogprob]) -> dict:
+        """A whole response's log-probabilities: the echoed prompt's (None: not asked), then the generated
+        tokens', the same lists a stream sends piece by piece."""
+        if prompt is None:
+            return self.shaped(generated)
+        first = self.shaped(prompt, self.prompt_tokens)
+        self.after_echo()
+        return {key: first[key] + values for key, values in self.shaped(generated).items()}
 
 
 def retry_after(server: ServerState) -> int:
@@ -227,9 +284,16 @@ def final_reason(finish_reason: str, calls: list[dict]) -> str:
 
 
 async def whole_response(
-    request: Request, job: Job, events: asyncio.Queue, shape: ResponseShape, reader: ResponseParser | None = None
+    request: Request,
+    job: Job,
+    events: asyncio.Queue,
+    shape: ResponseShape,
+    reader: ResponseParser | None = None,
+    extras: ResponseExtras | None = None,
 ):
-    text, reasoning = [], []
+    extras = extras or ResponseExtras(shape.chat)
+    text, reasoning = [extras.echo or ""], []
+    prompt_logprobs, logprobs = None, []
 
     def add(parts):
         for kind, value in parts:
@@ -247,6 +311,9 @@ async def whole_response(
                 continue
             if isinstance(event, Delta):
                 add(reader.feed(event.text) if reader else [("content", event.text)])
+                logprobs += event.logprobs or []
+            elif isinstance(event, PromptLogprobs):
+                prompt_logprobs = event.logprobs
             elif isinstance(event, Finished):
                 calls = []
                 if reader is not None:
@@ -264,6 +331,7 @@ async def whole_response(
                         tool_calls=calls,
                         batched_tokens=event.batched_tokens,
                         batch_size=event.batch_size,
+                        logprobs=extras.whole(prompt_logprobs, logprobs) if extras.logprobs else None,
                     )
                 )
             elif isinstance(event, Failed):
@@ -294,34 +362,55 @@ def part_chunks(shape: ResponseShape, parts, first_index: int = 0) -> list[dict]
 
 
 async def stream_events(
-    job: Job, events: asyncio.Queue, shape: ResponseShape, include_usage: bool, reader: ResponseParser | None = None
+    job: Job,
+    events: asyncio.Queue,
+    shape: ResponseShape,
+    include_usage: bool,
+    reader: ResponseParser | None = None,
+    extras: ResponseExtras | None = None,
 ):
+    extras = extras or ResponseExtras(shape.chat)
     held = []  # with tool_choice required / named: content and calls wait until the reply has been checked
     enforced = reader is not None and reader.plan.enforced
     sent_calls = 0
 
-    def emit(parts) -> list[str]:
+    def emit(parts) -> list[dict]:
         nonlocal sent_calls
         if enforced:
             held.extend(p for p in parts if p[0] != "reasoning")
             parts = [p for p in parts if p[0] == "reasoning"]
-        out = [sse(c) for c in part_chunks(shape, parts, sent_calls)]
+        out = part_chunks(shape, parts, sent_calls)
         sent_calls += sum(len(v) for k, v in parts if k == "tool_calls")
         return out
+
+    def with_logprobs(chunks: list[dict], logprobs: list[TokenLogprob] | None) -> list[dict]:
+        """A delta's log-probabilities ride on its first chunk, or on an empty one when none goes out now (its
+        text held back, or only a tool call's start)."""
+        if logprobs:
+            chunks = chunks or [shape.chunk("")]
+            chunks[0]["choices"][0]["logprobs"] = extras.shaped(logprobs)
+        return chunks
 
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
+        if extras.echo is not None and not extras.logprobs:
+            yield sse(shape.chunk(extras.echo))
+            extras.after_echo()
         while True:
             event = await events.get()
-            if isinstance(event, Delta):
-                for chunk in emit(reader.feed(event.text)) if reader else [sse(shape.chunk(event.text))]:
-                    yield chunk
+            if isinstance(event, PromptLogprobs):
+                yield sse(shape.chunk(extras.echo, logprobs=extras.shaped(event.logprobs, extras.prompt_tokens)))
+                extras.after_echo()
+            elif isinstance(event, Delta):
+                chunks = emit(reader.feed(event.text)) if reader else [shape.chunk(event.text)]
+                for chunk in with_logprobs(chunks, event.logprobs):
+                    yield sse(chunk)
             elif isinstance(event, Finished):
                 finish = event.finish_reason
                 if reader is not None:
                     for chunk in emit(reader.finish()):
-                        yield chunk
+                        yield sse(chunk)
                     calls, error = reader.plan.check(reader.calls)
                     if error:
                         yield sse(tool_choice_error(error))

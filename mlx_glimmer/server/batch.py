@@ -9,8 +9,10 @@ text commits whole blocks per forward and can beat a small batch), so
 width. A lone request always decodes alone, as its settings say (speculatively
 by default).
 
-How. The batch is our own loop over mlx-lm's `BatchKVCache` (left-padded rows,
-per-row RoPE offsets): a request's own KV cache is merged into it when it
+How. The batch is our own loop over batched KV caches (`batch_cache.py`:
+mlx-lm's `BatchKVCache` for full-attention layers, our `BatchWindowedKVCache`
+for the rollback-safe sliding-window layers of Muse Glimmer; left-padded rows,
+one RoPE offset per row): a request's own KV cache is merged into it when it
 joins and extracted back when it leaves, so copying costs O(context) only when
 the set of requests changes, and the request's conversation goes back to the
 prefix cache as if it had been decoded alone. Steps are queued one ahead, as
@@ -20,10 +22,9 @@ the row's token, as a plain round of the speculative loop does, so a request
 left alone in the batch goes back to speculative decoding, and a follow-up turn
 drafts from a context that covers the whole conversation.
 
-What cannot batch (`batch_support`): a target whose caches are not plain
-`KVCache`s (Muse's sliding-window layers use `cache.WindowedKVCache`, which has
-no batched form), or whose `forward` is not the model's own; its requests are
-served one after another, as before.
+What cannot batch (`batch_support`): a target with a cache kind that has no
+batched form, or whose `forward` is not the model's own; its requests are
+served one after another.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..divergence import explain_first_divergence, next_token_logits, to_numpy
 from ..settings import SamplingParams
 from ..speculative import DecodeState
 from ..target import Target
+from .batch_cache import BatchedCache, merge_rows, unbatched_kinds
 
 
 def batch_support(target) -> str | None:
@@ -47,9 +48,9 @@ def batch_support(target) -> str | None:
         return "the target is not an MLX target"
     if type(target).forward is not Target.forward:
         return f"{type(target).__name__} changes the target's forward"
-    kinds = {type(c) for c in target.make_cache(reserve=1)}
-    if kinds != {KVCache}:
-        names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
+    kinds = unbatched_kinds(target.make_cache(reserve=1))
+    if kinds:
+        names = ", ".join(sorted(k.__name__ for k in kinds))
         return f"the target's caches ({names}) have no batched form"
     return None
 
@@ -180,7 +181,7 @@ class DecodeBatch:
     def __init__(self, target: Target):
         self.target = target
         self.rows: list[Row] = []
-        self.cache: list[BatchKVCache] | None = None
+        self.cache: list[BatchedCache] | None = None
         self.queued: _Step | None = None
         self.steps = 0
         self._last_read: float | None = None  # None: the next read-to-read interval is not a step's time
@@ -190,8 +191,7 @@ class DecodeBatch:
 
     def join(self, row: Row) -> None:
         """Add a request; its cache moves into the batch (`state.cache` is None until it leaves)."""
-        own = row.state.cache
-        merged = [BatchKVCache.merge([c]) for c in own]
+        merged = merge_rows([row.state.cache])
         if self.cache is None:
             self.cache = merged
         else:
@@ -301,7 +301,7 @@ def batch_logits(target: Target, context: list[int], rows: int) -> mx.array:
     if len(context) > 1:
         hidden, _ = target.forward(target.tokens(context[:-1]), cache, False)
         target.sync(hidden, cache=cache)
-    merged = [BatchKVCache.merge([c] * rows) for c in cache]
+    merged = merge_rows([cache] * rows)
     hidden, _ = forward_rows(target, mx.array([context[-1]] * rows, dtype=mx.uint32), merged, False)
     return target.head(hidden[:1])[0]
 

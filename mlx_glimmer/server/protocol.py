@@ -2,10 +2,15 @@
 
 Bad input becomes an `APIError` (an OpenAI-style error body with a 4xx
 status), never a traceback. Fields we do not implement are refused with a
-clear 400 when a client asks for them (`n > 1`, logprobs, penalties,
-`logit_bias`, structured output, the deprecated `functions`); harmless ones
-(`user`, `metadata`, `parallel_tool_calls`, ...) are ignored. Tools are
-checked and planned in tools.py.
+clear 400 when a client asks for them (`n > 1`, penalties, `logit_bias`,
+structured output, the deprecated `functions`); harmless ones (`user`,
+`metadata`, `parallel_tool_calls`, ...) are ignored. Tools are checked and
+planned in tools.py.
+
+Log-probabilities come in OpenAI's two shapes: chat's `logprobs.content` (one
+entry per token with its text, bytes and `top_logprobs`) and the legacy
+completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
+(`TokenPieces` gives each token's text).
 
 Types are strict (`strict=True`), as OpenAI's are: `true` is not an integer, `"2"` not a number, `1` not a
 boolean. `chat_template_kwargs` may set the template's own variables (`enable_thinking`, ...) but not what
@@ -14,17 +19,20 @@ fixes the prompt's format (`RESERVED_TEMPLATE_KWARGS`).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..chat_template import REASONING_LEVELS
 from ..generate import GenerationStats
-from ..settings import AUTO, MAX_TREE_NODES, OFF, SEED_LIMIT, GenerationSettings, SamplingError
+from ..logprobs import TokenLogprob
+from ..settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, OFF, SEED_LIMIT, GenerationSettings, SamplingError
 
 
 class APIError(Exception):
@@ -146,7 +154,6 @@ class CommonFields(BaseModel):
     speculative: bool | None = None
     block_size: Annotated[int, Field(ge=1, le=256)] | Literal[AUTO] | None = None
     tree: int | str | None = None  # "auto", "off" or N draft-tree nodes (`tree_value`)
-    logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
@@ -201,7 +208,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # 0..MAX_LOGPROBS, with `logprobs` (`logprobs_asked`)
     tools: list[ToolDefinition] | None = None
     tool_choice: Any = None  # checked by tools.plan_tools
     functions: list | None = None
@@ -224,6 +232,7 @@ class ChatCompletionRequest(CommonFields):
 
 class CompletionRequest(CommonFields):
     prompt: str | list[int] | list[str] = Field(min_length=1)
+    logprobs: int | None = None  # 0..MAX_LOGPROBS alternatives (OpenAI's legacy API takes up to 5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -317,8 +326,6 @@ def refuse_unsupported(req: CommonFields) -> None:
 
     if req.n != 1:
         no("n", "more than one choice per request (n > 1)")
-    if req.logprobs:
-        no("logprobs", "logprobs")
     if req.presence_penalty or req.frequency_penalty:
         no(
             "presence_penalty" if req.presence_penalty else "frequency_penalty",
@@ -329,19 +336,30 @@ def refuse_unsupported(req: CommonFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.functions or req.function_call is not None:
             no("functions" if req.functions else "function_call", "the deprecated functions API (use tools)")
-        if req.top_logprobs:
-            no("top_logprobs", "logprobs")
         if req.response_format and req.response_format.get("type", "text") != "text":
             no("response_format", "structured output")
         if req.messages[-1].role == "assistant":
             no("messages", "continuing a final assistant message")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            no("echo", "echo")
         if req.suffix:
             no("suffix", "suffix")
         if req.best_of not in (None, 1):
             no("best_of", "best_of > 1")
+
+
+def logprobs_asked(req: CommonFields) -> int | None:
+    """How many alternatives each generated token's log-probability comes with (None: none asked). Chat:
+    `logprobs: true` with `top_logprobs` (default 0); completions: `logprobs` itself. Both 0..MAX_LOGPROBS."""
+    rule = f"must be a whole number in [0, {MAX_LOGPROBS}]"
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: {rule}, got {req.top_logprobs}", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs: {rule}, got {req.logprobs}", param="logprobs")
+    return req.logprobs
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -428,6 +446,7 @@ def request_settings(
             speculative=req.speculative,
             block_size=req.block_size,
             tree=req.tree,
+            logprobs=logprobs_asked(req),
         )
     except SamplingError as e:
         raise APIError(400, f"{e.field}: {e}", param=e.field) from None
@@ -470,6 +489,84 @@ def glimmer_stats(stats: GenerationStats, queue_wait_s: float, batched_tokens: i
     }
 
 
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: the character a byte-level BPE vocabulary writes -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+class TokenPieces:
+    """Each token's own bytes and text, as log-probabilities report them (a token may hold part of a
+    character: its text then shows U+FFFD, its bytes are exact). Read from the vocabulary the way mlx-lm's
+    detokenizer for this tokenizer reads it: byte-level BPE pieces through GPT-2's byte alphabet,
+    SentencePiece pieces with their word marker as a space, any other tokenizer by decoding the token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.detokenizer = tokenizer.detokenizer
+
+    def bytes(self, token: int) -> bytes:
+        detok = self.detokenizer
+        if isinstance(detok, BPEStreamingDetokenizer) and token < len(detok.tokenmap):
+            table = _byte_of_char()
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in detok.tokenmap[token])
+        if isinstance(detok, SPMStreamingDetokenizer) and token < len(detok.tokenmap):
+            return detok.tokenmap[token].replace("\u2581".encode("utf-8"), b" ")
+        return self.tokenizer.decode([token]).encode("utf-8")
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", "replace")
+
+    def entry(self, token: int, logprob: float) -> dict:
+        """{token, logprob, bytes}: one token of chat's `logprobs.content` or its `top_logprobs`."""
+        return {"token": self.text(token), "logprob": logprob, "bytes": list(self.bytes(token))}
+
+
+def chat_logprobs(pieces: TokenPieces, logprobs: list[TokenLogprob]) -> dict:
+    """Chat's `choices[i].logprobs`: per token its text, log-probability, bytes and `top_logprobs`."""
+    return {
+        "content": [
+            {**pieces.entry(lp.token, lp.logprob), "top_logprobs": [pieces.entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    pieces: TokenPieces, tokens: list[int], logprobs: list[TokenLogprob | None], offset: int = 0
+) -> dict:
+    """The legacy completions' `choices[i].logprobs` for `tokens` (their entries in `logprobs`: None for a
+    prompt's first token, which has none): texts, log-probabilities, the alternatives with the chosen token
+    among them (as OpenAI gives them: up to `logprobs` + 1), and each token's offset in the text, counting
+    from `offset` by the texts of the tokens before it."""
+    texts = [pieces.text(t) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top = []
+    for lp in logprobs:
+        if lp is None:
+            top.append(None)
+            continue
+        alternatives = {pieces.text(t): v for t, v in lp.top}
+        alternatives.setdefault(pieces.text(lp.token), lp.logprob)
+        top.append(alternatives)
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
 @dataclass
 class ResponseShape:
     """What differs between chat and plain completions in a response body."""
@@ -498,6 +595,7 @@ class ResponseShape:
         tool_calls: list[dict] | None = None,
         batched_tokens: int = 0,
         batch_size: int = 1,
+        logprobs: dict | None = None,
     ) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text if text or not tool_calls else None}
@@ -505,9 +603,9 @@ class ResponseShape:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {
             **self._envelope(False),
             "choices": [choice],
@@ -523,6 +621,7 @@ class ResponseShape:
         role: bool = False,
         reasoning: str | None = None,
         tool_calls: list[dict] | None = None,
+        logprobs: dict | None = None,
     ) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
@@ -530,9 +629,9 @@ class ResponseShape:
                 delta["reasoning_content"] = reasoning
             if tool_calls is not None:
                 delta["tool_calls"] = tool_calls
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._envelope(True), "choices": [choice]}
 
     def final_chunk(

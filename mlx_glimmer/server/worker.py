@@ -13,7 +13,8 @@ A lone request decodes speculatively. While others wait, `batch.BatchPolicy`
 (one target forward per step for all of them) or wait their turn. A request
 moves between the two at round boundaries (`Run`: what it has committed and
 emitted travels with it); the last one left in a batch goes back to
-speculative decoding.
+speculative decoding. A request asking for log-probabilities always decodes
+alone (`Run.alone` ignores a preemption for it): batched steps compute none.
 
 Stop strings are applied here, so generation ends as soon as one appears.
 """
@@ -31,6 +32,7 @@ from typing import Any, Callable, Protocol
 import mlx.core as mx
 
 from ..generate import GenerationPair, GenerationStats, stream_generate
+from ..logprobs import TokenLogprob, prompt_logprobs
 from ..settings import SEED_LIMIT, BatchSettings, GenerationSettings
 from .batch import BatchPolicy, DecodeBatch, Row, batch_support
 from .metrics import ServerMetrics
@@ -44,11 +46,20 @@ class GenerationRequest:
     prompt_tokens: list[int]
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     stop: list[str] = field(default_factory=list)
+    prompt_logprobs: bool = False  # report the prompt's own log-probabilities first (`echo`; needs settings.logprobs)
 
 
 @dataclass
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # of the tokens committed with this text, when the request asks
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's log-probabilities (None for its first token), before any `Delta`."""
+
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass
@@ -66,7 +77,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = Delta | PromptLogprobs | Finished | Failed
 
 
 @dataclass
@@ -159,9 +170,15 @@ class Run:
     def alone(self, pair, preempt: Callable[[], bool] = lambda: False, on_round=None) -> bool:
         """Decode alone from where the request stands, as its settings say (speculative by default), until it
         is done (True) or, at a round boundary, `preempt()` says to stop (False). `on_round(tokens, seconds)`
-        hears every round after the first (that one includes a prefill)."""
+        hears every round after the first (that one includes a prefill). A request asking for log-probabilities
+        is never preempted: it decodes alone to its end, where its verify passes compute them."""
         resumed = bool(self.generated)
         settings = self.settings
+        if settings.logprobs is not None:
+            preempt = never
+            if self.job.request.prompt_logprobs and not resumed:
+                tokens = self.job.request.prompt_tokens
+                self.job.emit(PromptLogprobs(prompt_logprobs(pair.target, tokens, settings.logprobs)))
         if resumed:
             settings = replace(
                 settings,
@@ -179,7 +196,7 @@ class Run:
                     on_round(len(chunk.token_ids) + stopped, now - last)
                 last = now
                 self.stats = joined(base, chunk.stats) if resumed else chunk.stats
-                self.commit(chunk.token_ids, stopped, now)
+                self.commit(chunk.token_ids, stopped, now, chunk.logprobs)
                 if self.finish is not None:
                     return True
                 if preempt():
@@ -190,9 +207,10 @@ class Run:
             self.finish = self.stats.finish_reason or "length"
         return True
 
-    def commit(self, tokens: list[int], stopped: bool, now: float) -> None:
-        """Take newly committed tokens (`stopped`: a stop token came after them): emit their text, and see
-        whether the request is done (a stop token or string, its token budget, its client gone)."""
+    def commit(self, tokens: list[int], stopped: bool, now: float, logprobs: list[TokenLogprob] | None = None) -> None:
+        """Take newly committed tokens (`stopped`: a stop token came after them): emit their text (and
+        `logprobs`, theirs), and see whether the request is done (a stop token or string, its token budget,
+        its client gone)."""
         self.first_at = self.first_at or now
         self.generated += tokens
         for t in tokens:
@@ -202,8 +220,8 @@ class Run:
         if done is not None:
             self.detok.finalize()
         text, hit = self.stop.feed(self.detok.last_segment)
-        if text:
-            self.job.emit(Delta(text))
+        if text or logprobs:
+            self.job.emit(Delta(text, logprobs))
         if hit:
             self.finish = "stop"
         elif self.job.cancelled.is_set():
@@ -235,6 +253,10 @@ class Run:
             self.batched_tokens,
             self.batch_size,
         )
+
+
+def never() -> bool:
+    return False
 
 
 def joined(base: GenerationStats, segment: GenerationStats) -> GenerationStats:

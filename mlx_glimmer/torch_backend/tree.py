@@ -32,6 +32,8 @@ __all__ = [
     "choices",
     "verdict",
     "chain_verdict",
+    "token_logprobs",
+    "round_logprobs",
 ]
 
 
@@ -197,3 +199,30 @@ def chain_verdict(tree: DraftTree, judged: torch.Tensor) -> torch.Tensor:
     """A chain's [accepted, next token] (`sampling.sampled_verdict`'s rejection sampling) in `verdict`'s form."""
     marks = (torch.arange(tree.size + 1, device=judged.device) <= judged[0]).long()
     return torch.cat([judged.long(), marks, tree.sources.to(judged.device)])
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int32 [n + 2 * W * top]: the log-softmax of `logits` [W, V] (float32) at row `rows[i]` (default: row i)
+    for `tokens[i]`, then every row's `top` likeliest tokens, best first: their log-probabilities, then their
+    ids; floats as their int32 bit patterns. See `mlx_glimmer.tree.token_logprobs`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(tokens.shape[0], device=logp.device) if rows is None else rows.long()
+    floats = [logp[rows, tokens.long()]]
+    ids = torch.zeros(0, dtype=torch.int32, device=logp.device)
+    if top:
+        values, best = torch.topk(logp, top, dim=-1)
+        floats.append(values.reshape(-1))
+        ids = best.reshape(-1).int()
+    return torch.cat([torch.cat(floats).contiguous().view(torch.int32), ids])
+
+
+def round_logprobs(logits: torch.Tensor, tree: DraftTree, verdict: torch.Tensor, top: int) -> torch.Tensor:
+    """`token_logprobs` of a verify round: every node's token at its parent's row, then the next token at the
+    row of the accepted path's end. See `mlx_glimmer.tree.round_logprobs`."""
+    marks = verdict[2 : 3 + tree.size]
+    end = torch.argmax(marks * tree.depths.to(marks.device))
+    rows = torch.cat([tree.parents.to(marks.device), end[None]])
+    tokens = torch.cat([tree.tokens.to(marks.device), verdict[1:2]])
+    return token_logprobs(logits, tokens, top, rows)
