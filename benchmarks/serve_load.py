@@ -1,7 +1,8 @@
 """Load test for `mlx-glimmer serve`: concurrent multi-turn chats through the official openai client.
 
     python benchmarks/serve_load.py [BUNDLE | --tiny-muse DIR] [--clients 4] [--turns 3] [--max-tokens 32]
-                                    [--time-limit 600] [--compare] [--max-batch N] [--url http://127.0.0.1:8080/v1]
+                                    [--context-words N] [--time-limit 600] [--compare] [--max-batch N]
+                                    [--prompt-cache-bytes SIZE] [--url http://127.0.0.1:8080/v1]
                                     [--out benchmarks/results/serve_load.json]
 
 Starts a server on a free loopback port (or uses --url), then runs `--clients`
@@ -10,8 +11,15 @@ carries the whole chat, so the prefix cache is exercised), greedy. Bounded:
 clients x turns requests at most, and no new request starts after
 --time-limit seconds. Reports request latency and time to first token
 percentiles, throughput (completion tokens and requests per second of wall
-time), errors, and the server's own /metrics (acceptance, prefix cache,
-batched steps by batch size).
+time), errors, the longest pause between a request's streamed pieces (what
+a request already streaming waits while another one's prompt is prefilled),
+and the server's own /metrics (acceptance, prefix cache, batched steps by
+batch size).
+
+`--context-words N`: each conversation's first question comes after notes of
+about N words (sentences about the topics, in an order of the client's own,
+its topic first, so clients share no more than the chat template): long
+prompts, whose prefill weighs on a batch that requests join.
 
 `--compare`: after a warm-up of both modes (other prompts), the same server
 then serves the very requests the concurrent clients sent one after another
@@ -63,6 +71,41 @@ TOPICS = [
 ]
 
 
+NOTES = [
+    "The moon keeps the same face toward the earth because its spin matches its orbit.",
+    "Bakers once kept their sourdough starters alive for generations, feeding them flour and water every day.",
+    "Volcanoes build new land where molten rock cools into basalt at the edge of the sea.",
+    "Chess players study endgames with only a few pieces left, where every tempo decides the result.",
+    "Bees find their way home by the angle of the sun and tell each other where flowers are by dancing.",
+    "Rivers carve wide meanders across flat plains and leave oxbow lakes behind when they change course.",
+    "Glass is made by melting sand with soda and lime, and it stays clear because it never crystallises.",
+    "Early trains ran on wooden rails before iron made longer and faster journeys possible.",
+    "Owls fly almost silently thanks to soft fringes on the edges of their feathers.",
+    "Paper was first made from mulberry bark and hemp before wood pulp became cheap.",
+    "Clouds form when rising air cools until its water vapour condenses on tiny grains of dust.",
+    "Copper turns green over the years as a thin layer of carbonate protects the metal underneath.",
+    "Tea leaves are withered, rolled and dried, and how long they oxidise decides their colour.",
+    "Whales sing songs that change slowly from one season to the next across a whole ocean.",
+    "Old maps left blank spaces where surveyors had never been, and sailors filled them with guesses.",
+    "Salt was so valuable in the ancient world that roads were built to carry it inland.",
+]
+
+
+def first_question(index: int, context_words: int) -> str:
+    """The client's first question; with `context_words`, after notes of about that many words, the client's
+    own topic first."""
+    topic = TOPICS[index % len(TOPICS)]
+    question = f"Tell me something interesting about {topic}."
+    if not context_words:
+        return question
+    notes, words, k = [], 0, index
+    while words < context_words:
+        notes.append(NOTES[k % len(NOTES)])
+        words += len(notes[-1].split())
+        k += 1
+    return f"My notes on {topic} and other things:\n" + " ".join(notes) + "\n\n" + question
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -72,7 +115,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def start_server(bundle: str | None, max_queue: int, max_batch: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    bundle: str | None, max_queue: int, max_batch: int | None = None, prompt_cache_bytes: str | None = None
+) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -84,6 +129,7 @@ def start_server(bundle: str | None, max_queue: int, max_batch: int | None = Non
         "--max-queue",
         str(max_queue),
         *(["--max-batch", str(max_batch)] if max_batch else []),
+        *(["--prompt-cache-bytes", prompt_cache_bytes] if prompt_cache_bytes else []),
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -96,6 +142,7 @@ def one_request(client, index: int, turn: int, messages: list[dict], max_tokens:
     """One streamed greedy chat request; its record (text and messages kept, for the comparison)."""
     start = time.perf_counter()
     first, text, usage, stats, error = None, [], None, {}, None
+    last, max_gap = None, 0.0
     try:
         stream = client.chat.completions.create(
             model="default",
@@ -107,7 +154,10 @@ def one_request(client, index: int, turn: int, messages: list[dict], max_tokens:
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                first = first or now
+                max_gap = max(max_gap, now - last) if last is not None else max_gap
+                last = now
                 text.append(chunk.choices[0].delta.content)
             if chunk.model_extra.get("glimmer"):
                 stats = chunk.model_extra["glimmer"]
@@ -121,6 +171,7 @@ def one_request(client, index: int, turn: int, messages: list[dict], max_tokens:
         "turn": turn,
         "latency_s": end - start,
         "ttft_s": (first - start) if first else None,
+        "max_gap_s": max_gap,  # the longest pause between two streamed pieces of its text
         "completion_tokens": usage.completion_tokens if usage else 0,
         "prompt_tokens": usage.prompt_tokens if usage else 0,
         "prefill_tokens": stats.get("prefill_tokens"),
@@ -133,9 +184,10 @@ def one_request(client, index: int, turn: int, messages: list[dict], max_tokens:
     }
 
 
-def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: float) -> list[dict]:
-    topic = TOPICS[index % len(TOPICS)]
-    messages = [{"role": "user", "content": f"Tell me something interesting about {topic}."}]
+def run_conversation(
+    client, index: int, turns: int, max_tokens: int, deadline: float, context_words: int = 0
+) -> list[dict]:
+    messages = [{"role": "user", "content": first_question(index, context_words)}]
     records = []
     for turn in range(turns):
         if time.monotonic() > deadline:
@@ -148,15 +200,17 @@ def run_conversation(client, index: int, turns: int, max_tokens: int, deadline: 
     return records
 
 
-def concurrently(client, clients: int, turns: int, max_tokens: int, deadline: float) -> tuple[list[dict], float]:
+def concurrently(
+    client, clients: int, turns: int, max_tokens: int, deadline: float, context_words: int = 0
+) -> tuple[list[dict], float]:
     """`clients` conversations at once; their records and the wall time."""
     wall = time.perf_counter()
+
+    def converse(i: int) -> list[dict]:
+        return run_conversation(client, i, turns, max_tokens, deadline, context_words)
+
     with ThreadPoolExecutor(clients) as pool:
-        records = [
-            r
-            for rs in pool.map(lambda i: run_conversation(client, i, turns, max_tokens, deadline), range(clients))
-            for r in rs
-        ]
+        records = [r for rs in pool.map(converse, range(clients)) for r in rs]
     return records, time.perf_counter() - wall
 
 
@@ -197,6 +251,7 @@ def phase(records: list[dict], wall: float, before: dict, after: dict) -> dict:
         "completion_tokens": tokens,
         "completion_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "prefill_tokens": sum(r["prefill_tokens"] or 0 for r in ok),
+        "max_gap_s": max((r["max_gap_s"] for r in ok), default=0.0),
         "batched_steps": batched_steps(before, after),
         "largest_batch": max((r["batch_size"] or 1 for r in ok), default=1),
     }
@@ -241,11 +296,21 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--context-words", type=int, default=0, metavar="N", help="first questions after notes of ~N words (see above)"
+    )
     ap.add_argument("--time-limit", type=float, default=600, help="no request starts after this many seconds")
     ap.add_argument(
         "--compare", action="store_true", help="then serve the same requests one after another and compare (see above)"
     )
     ap.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
+    ap.add_argument(
+        "--prompt-cache-bytes",
+        default=None,
+        metavar="SIZE",
+        help="the server's --prompt-cache-bytes (default: its own); 0 keeps no conversation, so both runs of "
+        "--compare prefill every prompt",
+    )
     ap.add_argument("--note", default="", help="free text stored with the results (machine, load)")
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = ap.parse_args()
@@ -257,7 +322,7 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.bundle, max_queue=max(32, args.clients), max_batch=args.max_batch)
+        proc, url = start_server(args.bundle, max(32, args.clients), args.max_batch, args.prompt_cache_bytes)
     root = url.removesuffix("/v1")
     sequential = None
     try:
@@ -266,7 +331,7 @@ def main() -> int:
             warm_up(client, args.clients)
         before = scrape(root)
         deadline = time.monotonic() + args.time_limit
-        records, wall = concurrently(client, args.clients, args.turns, args.max_tokens, deadline)
+        records, wall = concurrently(client, args.clients, args.turns, args.max_tokens, deadline, args.context_words)
         after = scrape(root)
         if args.compare:
             sequential, seq_wall = one_after_another(client, records, args.max_tokens)
@@ -279,6 +344,8 @@ def main() -> int:
     ok = [r for r in records if not r["error"]]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    gaps = [r["max_gap_s"] for r in ok]
+    prompts = [r["prompt_tokens"] for r in ok]
     tokens = sum(r["completion_tokens"] for r in ok)
     follow = [r for r in ok if r["turn"] > 0 and r["prompt_tokens"]]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("_total")}
@@ -288,6 +355,9 @@ def main() -> int:
         "clients": args.clients,
         "turns": args.turns,
         "max_tokens": args.max_tokens,
+        "context_words": args.context_words,
+        "prompt_cache_bytes": args.prompt_cache_bytes,
+        "prompt_tokens": {"min": min(prompts, default=0), "max": max(prompts, default=0)},
         "wall_s": wall,
         "latency_s": {
             "p50": percentile(lat, 0.5),
@@ -296,6 +366,7 @@ def main() -> int:
             "max": max(lat, default=float("nan")),
         },
         "ttft_s": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99)},
+        "max_gap_s": {"p50": percentile(gaps, 0.5), "max": max(gaps, default=float("nan"))},
         "throughput": {
             "completion_tokens_per_s": tokens / wall,
             "requests_per_s": len(ok) / wall,
@@ -319,10 +390,12 @@ def main() -> int:
     }
     lines = [
         f"mlx-glimmer serve load test: {args.clients} clients x {args.turns} turns, {args.max_tokens} tokens max, "
+        f"prompts of {summary['prompt_tokens']['min']}-{summary['prompt_tokens']['max']} tokens, "
         f"greedy, streamed ({summary['machine']}{'; ' + args.note if args.note else ''})",
         f"requests {summary['requests']} (errors {summary['errors']}) in {wall:.1f} s",
         "latency s   p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}  max {max:.2f}".format(**summary["latency_s"]),
         "ttft s      p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}".format(**summary["ttft_s"]),
+        "longest pause between streamed pieces s   p50 {p50:.2f}  max {max:.2f}".format(**summary["max_gap_s"]),
         f"throughput  {summary['throughput']['completion_tokens_per_s']:.2f} completion tokens/s, "
         f"{summary['throughput']['requests_per_s']:.3f} requests/s ({tokens} tokens)",
         f"prefix cache: {summary['server']['prefix_cache_hits']:.0f} hits, {summary['server']['prefix_cache_misses']:.0f} "
@@ -355,9 +428,10 @@ def main() -> int:
         failed = failed or alone["errors"] > 0 or not compare["all_equal_or_ties"]
         lines += [
             f"compare: the same {len(records)} requests concurrently {together['completion_tokens_per_s']:.2f} "
-            f"completion tokens/s (wall {together['wall_s']:.1f} s, largest batch {together['largest_batch']}) vs one "
-            f"after another {alone['completion_tokens_per_s']:.2f} tokens/s (wall {alone['wall_s']:.1f} s): "
-            f"{compare['speedup'] or 0:.2f}x",
+            f"completion tokens/s (wall {together['wall_s']:.1f} s, largest batch {together['largest_batch']}, "
+            f"{together['prefill_tokens']} prompt tokens prefilled, longest pause {together['max_gap_s']:.2f} s) vs "
+            f"one after another {alone['completion_tokens_per_s']:.2f} tokens/s (wall {alone['wall_s']:.1f} s, "
+            f"{alone['prefill_tokens']} prompt tokens prefilled): {compare['speedup'] or 0:.2f}x",
             f"outputs: {compare['identical_outputs']}/{compare['compared_outputs']} identical"
             + (f"; {ties} of {len(differ)} differences are floating-point ties" if differ else ""),
         ]

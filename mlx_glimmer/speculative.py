@@ -20,6 +20,10 @@ timed as a whole, from one read to the next (`WidthPolicy.observe_round`).
 Log-probabilities (`GenerationSettings.logprobs`, `logprobs.py`) ride on the same read: each verify's logits
 give, lazily on the device, a table for all its positions (`TreeOps.round_logprobs`), read with the verdict;
 with them off nothing more is computed.
+
+A prompt's prefill runs in chunks (`_prefill_chunks`). `prefill` runs one a call, for a caller with other work
+to interleave with a long prompt (the server's running batch); `generate_steps` on that state then finds them
+there and runs only the rest of the prompt.
 """
 
 from __future__ import annotations
@@ -295,44 +299,24 @@ def generate_steps(
         raise ValueError("the prompt must hold at least one token")
     prompt = list(prompt)
     drafter = drafter if settings.speculative else None
-    block_size = 1 if drafter is None else drafter.block_size if settings.auto else settings.block_size
-    tree = tree_setting(drafter, settings)
-    trees = tree != OFF
-    offered = policy.shapes() if policy is not None else []  # the widest verify the cache must roll back
-    widest = max(block_size, tree + 1 if isinstance(tree, int) else 1, *(shape.width for shape in offered))
+    block_size = _block_size(drafter, settings)
+    trees = tree_setting(drafter, settings) != OFF
     params, max_tokens = settings.sampling, settings.max_tokens
     stop = set(int(t) for t in stop_ids)
-    capture = drafter is not None and bool(drafter.target_layer_ids)
-    if drafter is not None:
-        target.capture(drafter.target_layer_ids)
     state = state if state is not None else DecodeState()
-    done = _resume(state, target, prompt, drafter, widest)
+    done = _open(target, prompt, settings, drafter, state, policy)
     state.owner = owner = object()
     state.reused_tokens = done
-    cache = state.cache
     key = target.new_key(settings.seed)
     memory = target.memory
     top = logprob_top(target, settings)
 
-    # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only. The
-    # drafter's context of each chunk is computed with it (`settle`), so the prompt's features are not kept
-    # and round 1's draft does not pay for them.
+    # Prefill the prompt tokens not yet in the cache, in chunks; logits for the last position only (the last
+    # chunk is queued, not finished: the first token's read finishes it).
     tic = time.perf_counter()
     todo = prompt[done:]
-    todo_arr = target.tokens(todo)
-    for start in range(0, len(todo), prefill_step):
-        chunk = todo[start : start + prefill_step]
-        hidden, feats = target.forward(todo_arr[start : start + prefill_step], cache, capture)
-        context = []
-        if drafter is not None:
-            drafter.observe(chunk, feats)
-            context = drafter.settle()
-        state.processed.extend(chunk)
-        if start + prefill_step < len(todo):
-            target.sync(feats, *context, cache=cache)
-            memory.clear()
-        else:
-            target.launch(*context)  # queued before the first token's logits: done when they are read
+    for hidden in _prefill_chunks(target, state, todo, drafter, prefill_step):
+        pass
     key, sub = target.split(key, 1)
     logits = target.head(hidden[-1:])
     verdict = _verdict(target, logits, target.tokens([]), None, params, sub)
@@ -359,6 +343,80 @@ def generate_steps(
     settings = replace(settings, block_size=block_size)
     proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0)
     yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
+
+
+def prefill(
+    target: TargetModel,
+    prompt: Sequence[int],
+    settings: GenerationSettings = GenerationSettings(),
+    *,
+    drafter: Drafter | None = None,
+    state: DecodeState,
+    policy: WidthPolicy | None = None,
+    step: int = 512,
+) -> Iterator[int]:
+    """Prefill `state` with `prompt` in whole chunks of `step` tokens, one per next() (each computed before
+    next() returns), as `generate_steps` with the same arguments would (the same cache and drafter context),
+    leaving the last 1 to `step` tokens: that call then finds the chunks in `state` and runs the rest in one
+    forward with the first token. Yields how many tokens the chunks still to come will run (0 after the last).
+    For a caller with other work to interleave with a long prompt's prefill (a server's running batch)."""
+    prompt = list(prompt)
+    drafter = drafter if settings.speculative else None
+    done = _open(target, prompt, settings, drafter, state, policy)
+    chunks = (len(prompt) - done - 1) // step
+    for i, hidden in enumerate(_prefill_chunks(target, state, prompt[done : done + chunks * step], drafter, step)):
+        target.sync(hidden, cache=state.cache)
+        yield (chunks - 1 - i) * step
+
+
+def _block_size(drafter: Drafter | None, settings: GenerationSettings) -> int:
+    """The widest chain verify (drafts + anchor): 1 without a drafter; under "auto" the drafter's block."""
+    return 1 if drafter is None else drafter.block_size if settings.auto else settings.block_size
+
+
+def _open(
+    target: TargetModel,
+    prompt: list[int],
+    settings: GenerationSettings,
+    drafter: Drafter | None,
+    state: DecodeState,
+    policy: WidthPolicy | None,
+) -> int:
+    """Ready `state` for generating after `prompt` (`drafter`: None unless speculative): the target captures
+    what the drafter reads, and the cache keeps room to roll back the widest verify the generation may run
+    (`_resume`). Returns how many prompt tokens the cache already holds."""
+    tree = tree_setting(drafter, settings)
+    offered = policy.shapes() if policy is not None else []  # the widest verify the cache must roll back
+    widest = max(_block_size(drafter, settings), tree + 1 if isinstance(tree, int) else 1, *(s.width for s in offered))
+    if drafter is not None:
+        target.capture(drafter.target_layer_ids)
+    return _resume(state, target, prompt, drafter, widest)
+
+
+def _prefill_chunks(
+    target: TargetModel, state: DecodeState, tokens: Sequence[int], drafter: Drafter | None, step: int
+) -> Iterator[Array]:
+    """Run `tokens` through the target into `state` (its cache, `processed` and the drafter's context), `step`
+    tokens per next(), yielding each chunk's final hidden states [L, H], queued. The drafter's context of a
+    chunk is computed with it (`settle`), so the prompt's features are not kept and round 1's draft does not
+    pay for them; a chunk is finished (and the device's cache cleared) before the next one runs."""
+    capture = drafter is not None and bool(drafter.target_layer_ids)
+    ids = target.tokens(tokens)
+    finishing = None
+    for start in range(0, len(tokens), step):
+        if finishing is not None:
+            target.sync(*finishing, cache=state.cache)
+            target.memory.clear()
+        chunk = list(tokens[start : start + step])
+        hidden, feats = target.forward(ids[start : start + step], state.cache, capture)
+        context = []
+        if drafter is not None:
+            drafter.observe(chunk, feats)
+            context = drafter.settle()
+        state.processed.extend(chunk)
+        target.launch(*context)
+        finishing = (feats, *context)
+        yield hidden
 
 
 def logprob_top(target: TargetModel, settings: GenerationSettings) -> int | None:

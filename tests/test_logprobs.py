@@ -3,17 +3,19 @@
 A generated token's log-probability is the log-softmax of the target's own logits at its position (before
 temperature, top-k and top-p), and its top alternatives are the likeliest tokens there: exactly what mlx-lm's
 forward over the same tokens gives, whatever committed the token (the first token after the prefill, plain
-steps, width-1 rounds of the drafting loop, chains, draft-tree paths through side branches), greedy or
-sampled, on a tiny Muse target (sliding window) and a tiny Llama target, on MLX and on torch. Asking for them
-changes no token and adds no host read; not asking computes nothing. The API, `generate --json` and the
-server report the same values, in their own shapes.
+steps, width-1 rounds of the drafting loop, chains, draft-tree paths through side branches, the server's
+batched steps), greedy or sampled, on a tiny Muse target (sliding window) and a tiny Llama target, on MLX and
+on torch. Asking for them changes no token and adds no host read; not asking computes nothing. The API,
+`generate --json` and the server report the same values, in their own shapes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import queue
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -29,9 +31,8 @@ from mlx_glimmer.drafters.base import Drafter, Marginals
 from mlx_glimmer.generate import GenerationStats, chunks_from_steps
 from mlx_glimmer.logprobs import prompt_logprobs
 from mlx_glimmer.server.app import ServerState, create_app, model_context
-from mlx_glimmer.server.prompt_cache import PromptCache
-from mlx_glimmer.server.worker import Delta, GenerationRequest, GenerationWorker, Job, Run
-from mlx_glimmer.settings import GenerationSettings, SamplingError, SamplingParams
+from mlx_glimmer.server.worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job
+from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -420,17 +421,47 @@ def test_bad_logprobs_fields_get_a_400_naming_the_field(served, path, body, para
     assert error["param"] == param and error["message"].startswith(param), error
 
 
-def test_a_request_with_logprobs_decodes_alone_whatever_would_batch_it(llama_pair):
-    """The worker's lone path ignores a preemption (what joins a batch) for a request that asks for
-    log-probabilities: it runs to its end, every token with its log-probability."""
-    cache = PromptCache(llama_pair.drafter, 1 << 26)
-    for logprobs in (None, 2):
+@pytest.fixture(scope="module")
+def batching(pair):
+    """A generation worker decoding concurrent requests together, on the pair."""
+    worker = GenerationWorker(lambda: pair, max_queue=8, prompt_cache_bytes=1 << 26, batch=BatchSettings(max_batch=4))
+    worker.start()
+    yield worker
+    worker.close(timeout=10)
+
+
+def answered(events: queue.Queue) -> tuple[list[Delta], Finished]:
+    """A job's `Delta`s and its `Finished` event."""
+    deltas = []
+    while not isinstance(event := events.get(timeout=300), Finished):
+        assert not isinstance(event, Failed), event.message
+        deltas.append(event)
+    return deltas, event
+
+
+def test_a_request_decoded_in_a_batch_reports_the_targets_own_as_it_does_alone(pair, batching):
+    """Three requests decoded together, two asking for log-probabilities (with 4 and 0 alternatives): each gets
+    the tokens it gets alone, and those asking get, per token, the log-softmax of the target's own logits at its
+    position and the values they get alone; the third gets none."""
+    prompts = [PROMPT, PROMPT + list(b" in a land"), [256] + list(b"The river ran")]
+    tops = [TOP, None, 0]
+    queues = []
+    for prompt, top in zip(prompts, tops):
         events: queue.Queue = queue.Queue()
-        settings = GenerationSettings(max_tokens=12, logprobs=logprobs)
-        run = Run.start(Job(GenerationRequest(PROMPT, settings), events.put), cache, llama_pair.tokenizer)
-        done = run.alone(llama_pair, preempt=lambda: True)
-        assert done == (logprobs is not None)
-        if done:
-            deltas = [e for e in events.queue if isinstance(e, Delta)]
-            assert [lp.token for d in deltas for lp in d.logprobs] == run.generated
-            assert run.finish == "stop" or len(run.generated) == 12
+        settings = GenerationSettings(max_tokens=16, block_size=4, logprobs=top)
+        batching.submit(Job(GenerationRequest(prompt, settings), events.put))
+        queues.append(events)
+    for prompt, top, events in zip(prompts, tops, queues):
+        deltas, done = answered(events)
+        assert done.batch_size == 3 and done.batched_tokens > 0
+        alone = mlx_glimmer.generate(replace(pair, drafter=copy.copy(pair.drafter)), prompt, max_tokens=16,
+                                     block_size=4, logprobs=top)  # fmt: skip
+        assert done.token_ids == alone.token_ids
+        if top is None:
+            assert all(d.logprobs is None for d in deltas)
+            continue
+        logprobs = [lp for d in deltas for lp in d.logprobs or []]
+        assert_the_targets_own(pair, prompt, done.token_ids, logprobs, top=top)
+        for lp, own in zip(logprobs, alone.logprobs, strict=True):
+            assert lp.logprob == pytest.approx(own.logprob, abs=TOL)
+            assert [v for _, v in lp.top] == pytest.approx([v for _, v in own.top], abs=TOL)

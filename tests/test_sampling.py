@@ -181,7 +181,7 @@ def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
     cost = VerifyCost(4, [[1.0, 1.05, 1.1, 1.15] for _ in range(4)])
     policy = WidthPolicy(cost, AcceptanceModel(3), probe_interval=2)
     draws, widths = [], set()
-    for seed in range(400):
+    for seed in range(800):  # as many draws as the fixed-width test takes
         steps = list(
             generate_steps(
                 target,

@@ -1,5 +1,6 @@
 """Concurrent requests decoded together (server/batch.py): outputs equal solo ones, a lone request stays
-speculative, the prefix cache keeps working, `/metrics` shows the batch size.
+speculative, a long prompt joins a running batch in chunks, the prefix cache keeps working, `/metrics` shows
+the batch size.
 
 Most tests run the generation worker in-process on the tiny random llama pair (plain KV caches) and the tiny
 Muse pair (sliding-window layers, window 8, batched by `batch_cache.BatchWindowedKVCache`; run far past the
@@ -43,6 +44,7 @@ from mlx_glimmer.server.metrics import metrics_text
 from mlx_glimmer.server.prompt_cache import Conversation
 from mlx_glimmer.server.worker import Delta, Finished, GenerationRequest, GenerationWorker, Job
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError
+from mlx_glimmer.speculative import generate_steps, prefill
 
 PROMPTS = [[256] + list(f"Tell me about {topic}.".encode()) for topic in ("owls", "salt", "maps", "glass")]
 
@@ -301,6 +303,49 @@ def test_a_difference_is_explained_with_both_kernels_margins(pair_name, request)
     assert set(d["kernels"]) == {"step (1 row)", "batched (4 rows)"}
     assert all(k["argmax"] == ref[3] and k["gap"] > k["tolerance"] for k in d["kernels"].values())
     assert explain_batched_divergence(pair.target, "float32", prompt, ref, list(ref), 4) is None
+
+
+# ---- a long prompt joins a running batch in chunks --------------------------------------------------------
+
+
+def test_a_prompt_prefilled_in_chunks_leaves_generate_steps_only_its_last_token(muse_pair):
+    """`speculative.prefill` runs a prompt's whole chunks into a state, one per next() (past the window),
+    leaving the last 1 to `step` tokens; a generation on that state then prefills only those and gives a cold
+    generation's tokens."""
+    target, prompt = muse_pair.target, PROMPTS[0] * 2  # 40 tokens
+    settings = GenerationSettings(max_tokens=24, block_size=4)
+    cold = list(generate_steps(target, prompt, settings, drafter=copy.copy(muse_pair.drafter)))
+    state, drafter = DecodeState(), copy.copy(muse_pair.drafter)
+    left = list(prefill(target, prompt, settings, drafter=drafter, state=state, step=5))
+    assert left == [30, 25, 20, 15, 10, 5, 0] and state.processed == prompt[:35]
+    warm = list(generate_steps(target, prompt, settings, drafter=drafter, state=state))
+    assert warm[0].prefill_tokens == 5 and state.reused_tokens == 35
+    assert [t for s in warm for t in s.tokens] == [t for s in cold for t in s.tokens]
+
+
+def test_a_long_prompt_joins_a_running_batch_in_chunks_while_it_keeps_decoding(llama_pair):
+    """A request with more than `prefill_chunk` prompt tokens to prefill joins a running request a chunk at a
+    time: the running one decodes a step between chunks (batched steps of one), the joining one counts its
+    whole prompt as prefilled and its drafter follows it, and both give their solo tokens."""
+    worker = GenerationWorker(lambda: llama_pair, max_queue=4, prompt_cache_bytes=64 << 20,
+                              batch=BatchSettings(4), prefill_chunk=8)  # fmt: skip
+    worker.start()
+    running, joining = PROMPTS[1] + list(b" More."), PROMPTS[2] * 3  # 26 and 60 tokens
+    try:
+        first = submit(worker, running, max_tokens=96, block_size=4)
+        assert isinstance(first.get(timeout=300), Delta)  # it is decoding alone ...
+        second = submit(worker, joining, max_tokens=8, block_size=4)
+        (_, a), (_, b) = collect(first), collect(second)
+        m = idle(worker)
+    finally:
+        worker.close(timeout=10)
+    chunks = (len(joining) - 1) // 8  # whole chunks; the first token's forward runs the rest
+    assert m['glimmer_batched_steps_total{batch_size="1"}'] == chunks  # one per chunk (the last queued before it)
+    assert b.stats.prefill_tokens == len(joining) and b.batch_size == 2 and b.batched_tokens > 0
+    assert a.batched_tokens > chunks
+    assert_equal_or_tie(llama_pair, running, solo(llama_pair, running, max_tokens=96).token_ids, a.token_ids, 2)
+    assert_equal_or_tie(llama_pair, joining, solo(llama_pair, joining, max_tokens=8).token_ids, b.token_ids, 2)
+    assert_cached_drafter_followed(worker, llama_pair, joining)
 
 
 # ---- the batched window cache ---------------------------------------------------------------------------

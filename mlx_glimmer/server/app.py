@@ -36,17 +36,15 @@ from ..errors import GlimmerError
 from ..generate import encode_prompt
 from ..logprobs import TokenLogprob
 from ..settings import BatchSettings, GenerationSettings
+from .logprob_shapes import TokenPieces, chat_logprobs, completion_logprobs
 from .metrics import metrics_text
 from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
-    TokenPieces,
-    chat_logprobs,
     chat_messages,
     check_messages,
-    completion_logprobs,
     error_body,
     parse,
     refuse_unsupported,

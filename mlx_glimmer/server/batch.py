@@ -16,7 +16,10 @@ one RoPE offset per row): a request's own KV cache is merged into it when it
 joins and extracted back when it leaves, so copying costs O(context) only when
 the set of requests changes, and the request's conversation goes back to the
 prefix cache as if it had been decoded alone. Steps are queued one ahead, as
-plain decoding is (the host reads step t while step t + 1 runs). A request's
+plain decoding is (the host reads step t while step t + 1 runs), and each is
+read once: the rows' tokens and, for the rows asking for log-probabilities
+(only those compute them), each token's log-softmax and likeliest
+alternatives at its row of the step's logits. A request's
 drafter keeps following it: every batched step captures the target features of
 the row's token, as a plain round of the speculative loop does, so a request
 left alone in the batch goes back to speculative decoding, and a follow-up turn
@@ -36,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..divergence import explain_first_divergence, next_token_logits, to_numpy
+from ..logprobs import TokenLogprob, read_table
 from ..settings import SamplingParams
 from ..speculative import DecodeState
 from ..target import Target
@@ -136,16 +140,27 @@ class Row:
     params: SamplingParams
     key: Any = None  # sampling key (None when greedy)
     owner: Any = None  # what the caller knows this request by
+    logprobs: int | None = None  # alternatives of each token's log-probability (None: none computed)
+
+
+@dataclass
+class Picked:
+    """A row's next token, read from a step, with its log-probability when the row asks (`Row.logprobs`)."""
+
+    row: Row
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
 class _Step:
-    """One batched step on the device, not read yet: the next token of each of `rows`, and the features of
-    the tokens it ran (each row's anchor)."""
+    """One batched step on the device, not read yet: the next token of each of `rows`, the features of the
+    tokens it ran (each row's anchor) and, for each row that asks, its token's log-probability table."""
 
     rows: list[Row]
     tokens: mx.array  # [len(rows)]
     feats: mx.array | None  # [len(rows), k*H]
+    tables: list[mx.array | None]  # per row: `tree.token_logprobs` of its token, or None
 
 
 def forward_rows(target: Target, tokens: mx.array, cache: list, capture: bool) -> tuple[mx.array, mx.array | None]:
@@ -156,6 +171,15 @@ def forward_rows(target: Target, tokens: mx.array, cache: list, capture: bool) -
     hidden = target.model.model(tokens[:, None], cache=cache)[:, 0]
     feats = recorder.features()
     return hidden, (feats[:, 0] if feats is not None else None)
+
+
+def row_logprobs(target: Target, logits: mx.array, tokens: mx.array, rows: list[Row]) -> list[mx.array | None]:
+    """For each row that asks, the log-probability table of its token at its row of `logits` (lazily, as a
+    verify computes it: `tree.token_logprobs`); None for the others, which compute nothing."""
+    return [
+        None if r.logprobs is None else target.trees.token_logprobs(logits[i : i + 1], tokens[i : i + 1], r.logprobs)
+        for i, r in enumerate(rows)
+    ]
 
 
 def pick_rows(target: Target, logits: mx.array, rows: list[Row]) -> mx.array:
@@ -235,7 +259,8 @@ class DecodeBatch:
             elif len(kept) < len(q.rows):
                 index = mx.array(kept)
                 feats = q.feats[index] if q.feats is not None else None
-                self.queued = _Step([q.rows[i] for i in kept], q.tokens[index], feats)
+                tables = [q.tables[i] for i in kept]
+                self.queued = _Step([q.rows[i] for i in kept], q.tokens[index], feats, tables)
 
     def close(self) -> None:
         """Drop the batch's caches once the step queued ahead has finished (its rows have left)."""
@@ -243,28 +268,38 @@ class DecodeBatch:
             mx.eval(self.queued.tokens)
         self.rows, self.cache, self.queued = [], None, None
 
-    def step(self) -> tuple[list[tuple[Row, int]], float | None]:
-        """Read one step: (each row it ran, with its next token), and the step's seconds (None when the set of
-        rows changed since the last read, so the interval is not one step's). The next step is queued before
-        the read."""
+    def step(self) -> tuple[list[Picked], float | None]:
+        """Read one step: each row it ran, with its next token (and its log-probability, for a row that asks),
+        and the step's seconds (None when the set of rows changed or other work ran since the last read, so
+        the interval is not one step's). The next step is queued before the read, and the read is one: the
+        tokens and the log-probability tables together."""
         if self.queued is None:
             self.queued = self._launch(self._inputs(None))
         current = self.queued
         self.queued = self._launch(self._inputs(current))
-        values = current.tokens.tolist()
+        values = self.target.read(current.tokens, *current.tables)
         now = time.perf_counter()
         seconds = None if self._last_read is None else now - self._last_read
         self._last_read = now
-        out = []
-        for i, (row, value) in enumerate(zip(current.rows, values)):
+        out, offset = [], len(current.rows)
+        for i, (row, value, table) in enumerate(zip(current.rows, values, current.tables)):
             row.state.processed.append(row.anchor)
             if row.state.drafter is not None:
                 row.state.drafter.observe([row.anchor], current.feats[i : i + 1] if current.feats is not None else None)
-            row.anchor = int(value)
-            out.append((row, int(value)))
+            row.anchor = token = int(value)
+            logprob = None
+            if table is not None:
+                logprob = read_table(values[offset:], 1, 1, row.logprobs).entry(0, 0, token)
+                offset += table.size
+            out.append(Picked(row, token, logprob))
         self.target.memory.tick(self.steps, self.steps + 1)
         self.steps += 1
         return out, seconds
+
+    def interrupted(self) -> None:
+        """Other work ran on the device since the last read (a joining request's prefill): the next read's
+        interval is not one step's time."""
+        self._last_read = None
 
     def _inputs(self, current: _Step | None) -> mx.array:
         """The next step's input: the unread tokens of `current`'s rows, then the anchors of rows that joined
@@ -280,9 +315,11 @@ class DecodeBatch:
         if ids and tuple(self.target.recorder.layer_ids) != ids:
             self.target.capture(ids)
         hidden, feats = forward_rows(self.target, inputs, self.cache, bool(ids))
-        tokens = pick_rows(self.target, self.target.head(hidden), rows)
-        mx.async_eval(tokens, *([feats] if feats is not None else []))
-        return _Step(rows, tokens, feats)
+        logits = self.target.head(hidden)
+        tokens = pick_rows(self.target, logits, rows)
+        tables = row_logprobs(self.target, logits, tokens, rows)
+        mx.async_eval(tokens, *([feats] if feats is not None else []), *[t for t in tables if t is not None])
+        return _Step(rows, tokens, feats, tables)
 
 
 def _layer_ids(rows: list[Row]) -> tuple[int, ...]:

@@ -13,8 +13,14 @@ A lone request decodes speculatively. While others wait, `batch.BatchPolicy`
 (one target forward per step for all of them) or wait their turn. A request
 moves between the two at round boundaries (`Run`: what it has committed and
 emitted travels with it); the last one left in a batch goes back to
-speculative decoding. A request asking for log-probabilities always decodes
-alone (`Run.alone` ignores a preemption for it): batched steps compute none.
+speculative decoding. Log-probabilities come either way: from the verify
+passes alone, from the batched step's logits in a batch.
+
+A request joining a running batch is prefilled alone before its first token.
+A long prompt is prefilled in whole chunks (`prefill_chunk` tokens,
+`speculative.prefill`) between batched steps, so the requests already decoding
+keep going instead of waiting for the whole prompt; its first token's forward
+then runs only the rest (`Run.alone` finds the chunks in its conversation).
 
 Stop strings are applied here, so generation ends as soon as one appears.
 """
@@ -27,13 +33,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import mlx.core as mx
 
-from ..generate import GenerationPair, GenerationStats, stream_generate
+from ..generate import GenerationPair, GenerationStats, prepare_request, stream_generate
 from ..logprobs import TokenLogprob, prompt_logprobs
 from ..settings import SEED_LIMIT, BatchSettings, GenerationSettings
+from ..speculative import common_prefix, logprob_top, prefill
 from .batch import BatchPolicy, DecodeBatch, Row, batch_support
 from .metrics import ServerMetrics
 from .prompt_cache import Conversation, PromptCache
@@ -136,6 +143,27 @@ def resume_seed(seed: int, generated: int) -> int:
 
 
 @dataclass
+class ChunkedPrefill:
+    """The prompt tokens a request prefilled in chunks between batched steps before its first token: they count
+    as prefilled (not reused from the prefix cache), their seconds in its prefill rate, from `started` in its
+    time to first token."""
+
+    tokens: int = 0
+    seconds: float = 0.0  # each chunk from its launch to its end (a batched step queued before it included)
+    started: float = 0.0  # when the first chunk began
+
+    def counted_in(self, stats: GenerationStats, stream_start: float) -> GenerationStats:
+        """`stats` of the generation that followed (started at `stream_start`), with the chunks counted in."""
+        if self.tokens:
+            rate = stats.prefill_tokens_per_second
+            seconds = self.seconds + (stats.prefill_tokens / rate if rate > 0 else 0.0)
+            stats.prefill_tokens += self.tokens
+            stats.prefill_tokens_per_second = stats.prefill_tokens / max(seconds, 1e-9)
+            stats.ttft_s += stream_start - self.started
+        return stats
+
+
+@dataclass
 class Run:
     """One job from its start to its end, alone or in a batch: its conversation, the tokens it has committed,
     its text so far (detokenizer, stop strings) and its running stats."""
@@ -152,6 +180,8 @@ class Run:
     batched_tokens: int = 0
     batch_size: int = 1
     row: Row | None = None  # while in a batch
+    chunked: ChunkedPrefill = field(default_factory=ChunkedPrefill)
+    prefilling: Iterator[bool] | None = None  # while its prompt is prefilled in chunks (`prefill`)
 
     def __post_init__(self):
         self.stop = StopMatcher(self.job.request.stop)
@@ -167,18 +197,43 @@ class Run:
     def settings(self) -> GenerationSettings:
         return self.job.request.settings
 
+    def unprefilled(self) -> int:
+        """Prompt tokens its conversation does not hold yet (what its prefill would run, as far as the cache
+        can tell before it is resumed)."""
+        prompt = self.job.request.prompt_tokens
+        return len(prompt) - common_prefix(self.conv.tokens, prompt)
+
+    def prefill(self, pair, chunk: int) -> Iterator[bool]:
+        """Prefill the prompt into the request's conversation in whole chunks of `chunk` tokens, one per next()
+        (each computed before next() returns; yields whether more follow), as `alone` would prefill them (which
+        then runs the last 1 to `chunk` tokens with the first token); timed into `chunked`."""
+        pair = replace(pair, drafter=self.conv.drafter)
+        request = prepare_request(pair, self.job.request.prompt_tokens, self.settings)
+        chunks = prefill(
+            pair.target,
+            request.tokens,
+            request.settings,
+            drafter=request.drafter,
+            state=self.conv.state,
+            policy=request.policy,
+            step=chunk,
+        )
+        self.chunked.started = tic = time.perf_counter()
+        for left in chunks:
+            self.chunked.tokens += chunk
+            self.chunked.seconds += time.perf_counter() - tic
+            yield left > 0
+            tic = time.perf_counter()
+
     def alone(self, pair, preempt: Callable[[], bool] = lambda: False, on_round=None) -> bool:
         """Decode alone from where the request stands, as its settings say (speculative by default), until it
         is done (True) or, at a round boundary, `preempt()` says to stop (False). `on_round(tokens, seconds)`
-        hears every round after the first (that one includes a prefill). A request asking for log-probabilities
-        is never preempted: it decodes alone to its end, where its verify passes compute them."""
+        hears every round after the first (that one includes a prefill)."""
         resumed = bool(self.generated)
         settings = self.settings
-        if settings.logprobs is not None:
-            preempt = never
-            if self.job.request.prompt_logprobs and not resumed:
-                tokens = self.job.request.prompt_tokens
-                self.job.emit(PromptLogprobs(prompt_logprobs(pair.target, tokens, settings.logprobs)))
+        if settings.logprobs is not None and self.job.request.prompt_logprobs and not resumed:
+            tokens = self.job.request.prompt_tokens
+            self.job.emit(PromptLogprobs(prompt_logprobs(pair.target, tokens, settings.logprobs)))
         if resumed:
             settings = replace(
                 settings,
@@ -186,6 +241,7 @@ class Run:
                 seed=resume_seed(settings.seed, len(self.generated)),
             )
         prompt = self.job.request.prompt_tokens + self.generated
+        began = time.perf_counter()
         chunks = stream_generate(replace(pair, drafter=self.conv.drafter), prompt, settings, state=self.conv.state)
         base, last = self.stats, None
         try:
@@ -195,7 +251,7 @@ class Run:
                 if last is not None and on_round is not None:
                     on_round(len(chunk.token_ids) + stopped, now - last)
                 last = now
-                self.stats = joined(base, chunk.stats) if resumed else chunk.stats
+                self.stats = joined(base, chunk.stats) if resumed else self.chunked.counted_in(chunk.stats, began)
                 self.commit(chunk.token_ids, stopped, now, chunk.logprobs)
                 if self.finish is not None:
                     return True
@@ -231,8 +287,11 @@ class Run:
             if tail := self.stop.flush():
                 self.job.emit(Delta(tail))
 
-    def batched_step(self, token: int, stop_ids: set, batch_size: int, now: float) -> None:
-        """One token from a batched step (a target forward of width 1 for this request)."""
+    def batched_step(
+        self, token: int, stop_ids: set, batch_size: int, now: float, logprob: TokenLogprob | None = None
+    ) -> None:
+        """One token from a batched step (a target forward of width 1 for this request), with its
+        log-probability when the request asks."""
         stats = self.stats
         stats.target_forwards += 1
         stats.acceptance_lengths.append(1)
@@ -242,7 +301,7 @@ class Run:
         stopped = token in stop_ids
         self.batched_tokens += not stopped
         self.batch_size = max(self.batch_size, batch_size)
-        self.commit([] if stopped else [token], stopped, now)
+        self.commit([] if stopped else [token], stopped, now, None if stopped or logprob is None else [logprob])
 
     def finished(self) -> Finished:
         return Finished(
@@ -255,8 +314,8 @@ class Run:
         )
 
 
-def never() -> bool:
-    return False
+def always() -> bool:
+    return True
 
 
 def joined(base: GenerationStats, segment: GenerationStats) -> GenerationStats:
@@ -285,7 +344,8 @@ def joined(base: GenerationStats, segment: GenerationStats) -> GenerationStats:
 
 class GenerationWorker:
     """The generation thread and its queue (at most `max_queue` waiting jobs); `batch` bounds how many
-    requests decode together."""
+    requests decode together; a request joining a batch with more than `prefill_chunk` prompt tokens to
+    prefill is prefilled that many at a time between batched steps."""
 
     def __init__(
         self,
@@ -294,11 +354,13 @@ class GenerationWorker:
         max_queue: int = 32,
         prompt_cache_bytes: int = 1 << 30,
         batch: BatchSettings = BatchSettings(),
+        prefill_chunk: int = 128,
     ):
         self.load_pair = load_pair
         self.max_queue = max_queue
         self.prompt_cache_bytes = prompt_cache_bytes
         self.batch = batch
+        self.prefill_chunk = prefill_chunk
         self.policy = BatchPolicy()
         self.metrics = ServerMetrics()
         self.pair = None
@@ -405,10 +467,10 @@ class GenerationWorker:
             if self._alone(lone, preempt=self._batch_now):
                 lone = self._take_next()
                 continue
-            batch = DecodeBatch(self.pair.target)
+            batch, joining = DecodeBatch(self.pair.target), []
             self._join(batch, lone)
-            self._admit(batch, self._waiting_batch_size() - 1)  # what the policy just chose: no second asking
-            lone = self._decode_together(batch)
+            self._admit(batch, joining, self._waiting_batch_size() - 1)  # the policy just chose it: no second asking
+            lone = self._decode_together(batch, joining)
             if lone is None:
                 lone = self._take_next()
 
@@ -459,54 +521,90 @@ class GenerationWorker:
         state = run.conv.state
         params = run.settings.sampling
         key = None if params.greedy else mx.random.key(resume_seed(run.settings.seed, len(run.generated)))
-        run.row = Row(state, run.generated[-1], params, key, run)
+        top = logprob_top(self.pair.target, run.settings)
+        run.row = Row(state, run.generated[-1], params, key, run, top)
         batch.join(run.row)
 
-    def _admit(self, batch: DecodeBatch, count: int) -> None:
-        """Start up to `count` waiting jobs (prefill and first token, alone) and add them to the batch."""
+    def _admit(self, batch: DecodeBatch, joining: list[Run], count: int) -> None:
+        """Start up to `count` waiting jobs for the batch: one with a short prompt to prefill gets its first
+        token (alone) and joins now; a longer one joins `joining`, to be prefilled in chunks between steps."""
         for _ in range(count):
-            if len(batch) >= self.batch.max_batch or (run := self._take_next()) is None:
+            if len(batch) + len(joining) >= self.batch.max_batch or (run := self._take_next()) is None:
                 return
-            try:
-                done = run.alone(self.pair, preempt=lambda: True)
-            except Exception as e:
-                self._fail(run, e)
-                continue
-            if done:
-                self._end(run)
+            if run.unprefilled() > self.prefill_chunk:
+                run.prefilling = run.prefill(self.pair, self.prefill_chunk)
+                joining.append(run)
             else:
-                self._join(batch, run)
+                self._start_in(batch, run)
 
-    def _decode_together(self, batch: DecodeBatch) -> Run | None:
+    def _start_in(self, batch: DecodeBatch, run: Run) -> None:
+        """The first token of `run` (alone: the rest of its prefill, then one token), then into the batch."""
+        try:
+            done = run.alone(self.pair, preempt=always)
+        except Exception as e:
+            self._fail(run, e)
+            return
+        if done:
+            self._end(run)
+        else:
+            self._join(batch, run)
+
+    def _prefill_chunk(self, batch: DecodeBatch, joining: list[Run]) -> None:
+        """One chunk of the first joining request's prefill; once its prompt is in, its first token, and it
+        joins the batch. A request cancelled meanwhile ends here (its conversation keeps what was prefilled)."""
+        run = joining[0]
+        try:
+            more = not run.job.cancelled.is_set() and next(run.prefilling, False)
+        except Exception as e:
+            joining.pop(0)
+            self._fail(run, e)
+            return
+        batch.interrupted()
+        if more:
+            return
+        joining.pop(0)
+        run.prefilling = None
+        if run.job.cancelled.is_set():
+            run.finish = "cancelled"
+            run.stats.prefill_tokens = run.chunked.tokens
+            self._end(run)
+        else:
+            self._start_in(batch, run)
+
+    def _decode_together(self, batch: DecodeBatch, joining: list[Run]) -> Run | None:
         """Step the batch until one request (returned, to decode alone) or none is left; waiting jobs join
-        while the policy says a bigger batch pays."""
+        while the policy says a bigger batch pays, long prompts prefilled a chunk per step (`joining`)."""
         target = self.pair.target
         stop_ids = set(self.pair.tokenizer.eos_token_ids)
         drafter_model = self.pair.drafter.model if self.pair.drafter is not None else None
         with target.memory.resident(target.model, drafter_model):
             while True:
-                n = self._waiting_batch_size() - 1
-                if n > 0 and len(batch) < self.batch.max_batch and self.policy.together(len(batch) + 1):
-                    self._admit(batch, min(n, self.batch.max_batch - len(batch)))
-                if len(batch) <= 1:
+                n, size = self._waiting_batch_size() - 1, len(batch) + len(joining)
+                if n > 0 and size < self.batch.max_batch and self.policy.together(size + 1):
+                    self._admit(batch, joining, min(n, self.batch.max_batch - size))
+                if joining:
+                    self._prefill_chunk(batch, joining)
+                if len(batch) <= 1 and not joining:
                     if not batch.rows:
                         return None
                     (row,) = batch.rows
                     batch.leave([row])
                     run, run.row = row.owner, None
                     return run
+                if not batch.rows:
+                    continue
                 self.metrics.set_mode(len(batch))
                 try:
                     out, seconds = batch.step()
                 except Exception as e:  # a bug: every request in the batch fails, the thread lives on
-                    for row in list(batch.rows):
-                        self._fail(row.owner, e)
+                    for run in [row.owner for row in batch.rows] + joining:
+                        self._fail(run, e)
                     return None
                 if seconds is not None:
                     self.policy.observe_batch(len(out), seconds)
                 now = time.perf_counter()
-                for row, token in out:
-                    row.owner.batched_step(token, stop_ids, len(out), now)
+                for picked in out:
+                    picked.row.owner.batched_step(picked.token, stop_ids, len(out), now, picked.logprob)
                 self.metrics.record_step(len(out), self.policy.solo_rate, self.policy.rates())
                 done = [row for row in batch.rows if row.owner.finish is not None]
                 batch.leave(done)
