@@ -43,13 +43,15 @@ from .block_policy import (
     width_policy,
 )
 from .chat_template import has_chat_template
+from .decode_state import DecodeState
 from .drafters.base import Drafter
 from .errors import GlimmerError
 from .logprobs import TokenLogprob
 from .logprobs import prompt_logprobs as target_prompt_logprobs
 from .paths import cache_dir
 from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, GenerationSettings, SamplingError
-from .speculative import DecodeState, TargetModel, generate_steps, tree_setting
+from .speculative import generate_steps, tree_setting
+from .target_model import TargetModel
 
 Prompt = str | Sequence[int] | Sequence[dict]
 

@@ -20,6 +20,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .settings import GenerationSettings
+from .target_model import Array, TargetModel
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -87,7 +90,7 @@ def path_logprobs(table: Table, positions: Sequence[int], committed: Sequence[in
 
 def prompt_logprobs(target: Any, tokens: Sequence[int], top: int, chunk: int = 512) -> list[TokenLogprob | None]:
     """The log-probability of every prompt token after the ones before it, and the `top` likeliest there: one
-    forward over the prompt on a cache of its own (`target` a `speculative.TargetModel`), in chunks, read once.
+    forward over the prompt on a cache of its own (`target` a `target_model.TargetModel`), in chunks, read once.
     The first token has nothing before it: None, as OpenAI's `echo` gives it."""
     tokens = list(tokens)
     top = min(top, target.vocab_size)
@@ -111,3 +114,19 @@ def prompt_logprobs(target: Any, tokens: Sequence[int], top: int, chunk: int = 5
         first = len(out)  # the prompt position of this chunk's first scored token
         out += [table.entry(i, i, tokens[first + i]) for i in range(scored)]
     return out
+
+
+def logprob_top(target: TargetModel, settings: GenerationSettings) -> int | None:
+    """How many alternatives each committed token's log-probability comes with (at most the vocabulary);
+    None: none are computed."""
+    return None if settings.logprobs is None else min(settings.logprobs, target.vocab_size)
+
+
+def one_row_logprobs(target: TargetModel, logits: Array, token: Array, top: int | None) -> Array | None:
+    """The log-probability table of one token picked from `logits` [1, V], lazily; None when not asked."""
+    return None if top is None else target.trees.token_logprobs(logits, token, top)
+
+
+def read_one_row(values: list[int], token: int, top: int | None) -> list[TokenLogprob] | None:
+    """`one_row_logprobs`, read (`values`: what the read returned after the token)."""
+    return None if top is None else [read_table(values, 1, 1, top).entry(0, 0, token)]

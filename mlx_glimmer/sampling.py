@@ -49,7 +49,7 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
 
 def pick(target, logits, params: SamplingParams, key) -> tuple:
     """One token per row of `logits`: the argmax, or a sample with the filtered distribution it came from.
-    On `target`'s own array library (a `speculative.TargetModel`: its `sampling` ops do the work)."""
+    On `target`'s own array library (a `target_model.TargetModel`: its `sampling` ops do the work)."""
     if params.greedy:
         return target.sampling.argmax(logits), None
     probs = target.sampling.probabilities(logits, params)

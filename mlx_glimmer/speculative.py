@@ -2,7 +2,7 @@
 
 Written once for every array library. The loop only knows a `TargetModel` (the
 target on one library: MLX's `target.Target`, torch's `TorchTarget`; the
-protocol below), a `Drafter` (the base class every proposer inherits,
+protocol in target_model.py), a `Drafter` (the base class every proposer inherits,
 `drafters/base.py`) and `GenerationSettings`; it yields one `Step` per target call and
 leaves text, stats and stopping on strings to its callers. With no drafter (or
 `block_size` 1) every round is a plain decoding step through the same
@@ -29,104 +29,18 @@ there and runs only the rest of the prompt.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 from .block_policy import Shape, WidthPolicy
+from .decode_state import DecodeState, Step, resume
 from .drafters.base import Drafter
 from .drafters.prompt_lookup import PromptLookupDrafter
-from .errors import GlimmerError
-from .logprobs import TokenLogprob, path_logprobs, read_table
+from .logprobs import logprob_top, one_row_logprobs, path_logprobs, read_one_row, read_table
 from .sampling import pick
 from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
-from .tree import LOOKUP, MODEL, SOURCE_NAMES, DraftTree, Path
-
-Array = Any  # an mx.array or a torch.Tensor, whichever the target computes with
-
-
-class SamplingOps(Protocol):
-    """One array library's `sampling` module (`mlx_glimmer.sampling`, `torch_backend.sampling`)."""
-
-    def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
-    def argmax(self, logits: Array) -> Array: ...
-    def sample(self, probs: Array, key: Any) -> Array: ...
-    def spread(self, probs: Array, ids: Array, vocab_size: int) -> Array: ...  # [n, len(ids)] -> [n, vocab_size]
-    def greedy_verdict(self, draft: Array, target_logits: Array) -> Array: ...  # [accepted, next token], lazy
-    def sampled_verdict(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> Array: ...
-
-
-class TreeOps(Protocol):
-    """One array library's draft-tree module (`mlx_glimmer.tree`): builds, judges and reads trees, and
-    computes the log-probabilities of what a round commits."""
-
-    def chain(self, tokens: Array, source: int = MODEL) -> DraftTree: ...
-    def merged_tree(self, log_probs: Array, budget: int, lookup: list[int], vocab: Array | None) -> DraftTree: ...
-    def verdict(self, tree: DraftTree, logits: Array, params: SamplingParams, key: Any) -> Array: ...
-    def chain_verdict(self, tree: DraftTree, judged: Array) -> Array: ...
-    def read_path(self, values: list[int], size: int) -> Any: ...  # a `tree.Path`
-    def token_logprobs(self, logits: Array, tokens: Array, top: int, rows: Array | None = None) -> Array: ...
-    def round_logprobs(self, logits: Array, tree: DraftTree, verdict: Array, top: int) -> Array: ...
-
-
-class TargetModel(Protocol):
-    """The target on one array library (`target.Target`, `torch_backend.target.TorchTarget`):
-    all that the loop needs and that differs between libraries.
-
-    forward(tokens, cache, capture)  tokens [L] -> final hidden states [L, H] and, with capture, the
-                                     outputs of the layers named by `capture(layer_ids)` [L, k*H] (else None);
-                                     with `tree`, [anchor, nodes] attending to their ancestors only
-    keep(cache, positions, width)    after a verify of `width`, keep `positions` of it in order (a tree's path)
-    head(hidden)                     logits [L, V] as the model's own forward computes them
-    make_cache(reserve)              a KV cache that rolls back at least `reserve` tokens at any length
-    trim(cache, n)                   forget the last n positions (n <= 0: nothing)
-    split(key, n)                    (the next key, n keys to use now)
-    join(*ids)                       token arrays end to end, on the device
-    launch(*arrays) / sync(...)      start computing / finish computing (the cache's contents too)
-    read(*arrays)                    the one blocking host read of a round: integer entries, end to end
-    lazy                             True where work only runs when launched or read (MLX): the loop then
-                                     queues the next round before yielding this one
-    memory                           `memory.DeviceMemory`: clear_cache cadence (a no-op off Metal)
-
-    The drafters also read its shape (`hidden_size`, `num_layers`, `vocab_size`), embed tokens with its
-    table and borrow its head; `generate` reports its peak memory.
-    """
-
-    sampling: SamplingOps
-    trees: TreeOps
-    lazy: bool
-    memory: Any
-    model: Any  # the library's own model: its weights stay resident while it generates
-
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def activation_dtype(self) -> Any: ...  # the dtype of its hidden states (a drafter's weights take it)
-
-    def capture(self, layer_ids: Sequence[int]) -> None: ...
-    def forward(
-        self, tokens: Array, cache: Any, capture: bool, tree: DraftTree | None = None
-    ) -> tuple[Array, Array | None]: ...
-    def head(self, hidden: Array) -> Array: ...
-    def make_cache(self, reserve: int) -> Any: ...
-    def can_trim(self, cache: Any, n: int) -> bool: ...
-    def trim(self, cache: Any, n: int) -> None: ...
-    def keep(self, cache: Any, positions: list[int], width: int) -> None: ...  # after a verify: keep those, in order
-    def tokens(self, ids: Sequence[int] | Array) -> Array: ...  # token ids as this library's array
-    def new_key(self, seed: int) -> Any: ...
-    def split(self, key: Any, n: int) -> tuple: ...
-    def join(self, *ids: Array) -> Array: ...
-    def launch(self, *arrays: Array | None) -> None: ...
-    def sync(self, *arrays: Array | None, cache: Any = None) -> None: ...
-    def read(self, *arrays: Array | None) -> list[int]: ...
-    def embed(self, ids: Array) -> Array: ...  # raw rows of the token embedding table
-    def head_rows(self, ids: Array) -> Callable[[Array], Array]: ...  # the head over vocabulary rows `ids` only
-    def reset_peak_memory(self) -> None: ...
-    def peak_memory_gb(self) -> float: ...
-    def last_logits(self, tokens: list[int]) -> Any: ...  # float32 numpy logits [V] after a full forward
+from .target_model import Array, TargetModel
+from .tree import LOOKUP, SOURCE_NAMES, DraftTree, Path
 
 
 def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> Array:
@@ -135,94 +49,6 @@ def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, para
     if params.greedy:
         return ops.greedy_verdict(draft, logits)
     return ops.sampled_verdict(draft, draft_probs, ops.probabilities(logits, params), key)
-
-
-@dataclass
-class Step:
-    tokens: list[int]  # committed by this target call, ending at a stop token if one came
-    drafted: int = 0  # draft tokens (chain drafts or tree nodes) offered to this verification: drafted + 1 verified
-    accepted: int = 0  # drafts kept: the accepted path's depth
-    tree: bool = False  # the drafts formed a tree (else a chain)
-    source: str = ""  # who proposed the accepted path: "model", "lookup", "both" (nodes shared); "" if none kept
-    # Host seconds spent proposing and launching the draft; the rest of the round (from the previous host read
-    # to this one) is verify_s. The draft's device time runs in the same queued graph as the verify, so it
-    # lands in verify_s: timing them apart would cost a second blocking sync per round.
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    prefill_tokens: int = 0  # > 0 only on the prefill step
-    stopped: bool = False  # a stop token was committed (it is the last of `tokens`)
-    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when `settings.logprobs` asks
-
-
-@dataclass
-class DecodeState:
-    """What one generation leaves in the caches, so the next turn of a chat prefills only new tokens.
-
-    `processed` lists the token ids whose K/V sit in `cache`, in order. The
-    next prompt is compared with it: the common prefix is kept, anything after
-    it is rolled back (up to `ROLLBACK_SLACK` tokens past a sliding window;
-    beyond that, or when the drafter's context is out of step, the turn starts
-    from scratch), and only the rest of the prompt is prefilled.
-    """
-
-    cache: Any = None
-    processed: list[int] = field(default_factory=list)
-    drafter: Drafter | None = None  # the drafter whose context covers exactly `processed`
-    reserve: int = 0
-    reused_tokens: int = 0  # prompt tokens the last turn did not have to prefill
-    target: TargetModel | None = None  # the target whose K/V `cache` holds
-    ahead: int = 0  # cache entries past `processed`: forwards of rounds queued ahead, not yet undone
-    owner: object | None = None  # the generation currently writing to this state
-
-
-# Extra rollback room in every cache: lets a chat template re-render the tail of
-# the previous answer differently without a full re-prefill.
-ROLLBACK_SLACK = 64
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _resume(
-    state: DecodeState, target: TargetModel, prompt: Sequence[int], drafter: Drafter | None, block_size: int
-) -> int:
-    """Prepare `state` for `prompt`; returns how many prompt tokens are already in the cache."""
-    if state.target is not None and state.target is not target:
-        raise GlimmerError("this DecodeState holds another target's cache; start a new DecodeState() for this pair")
-    state.target = target
-    if state.ahead:  # an earlier generation stopped without being closed: undo its run-ahead forward now
-        target.trim(state.cache, state.ahead)
-        state.ahead = 0
-    reusable = (
-        state.cache is not None
-        and block_size + ROLLBACK_SLACK <= state.reserve
-        and (drafter is None or state.drafter is drafter)
-    )
-    if reusable:
-        keep = min(common_prefix(state.processed, prompt), len(prompt) - 1)
-        rollback = len(state.processed) - keep
-        can = target.can_trim(state.cache, rollback)
-        if can and drafter is not None:
-            can = drafter.rollback(rollback)
-        if can:
-            target.trim(state.cache, rollback)
-            del state.processed[keep:]
-            if drafter is None:
-                state.drafter = None  # its context no longer follows the cache
-            return keep
-    state.reserve = block_size + ROLLBACK_SLACK
-    state.cache = target.make_cache(reserve=state.reserve)
-    state.processed = []
-    state.drafter = drafter
-    if drafter is not None:
-        drafter.reset()
-    return 0
 
 
 @dataclass
@@ -320,7 +146,7 @@ def generate_steps(
     key, sub = target.split(key, 1)
     logits = target.head(hidden[-1:])
     verdict = _verdict(target, logits, target.tokens([]), None, params, sub)
-    values = target.read(verdict, _one_row_logprobs(target, logits, verdict[1:2], top))
+    values = target.read(verdict, one_row_logprobs(target, logits, verdict[1:2], top))
     first = values[1]
     memory.clear()
     step = Step(
@@ -328,7 +154,7 @@ def generate_steps(
         prefill_tokens=len(todo),
         verify_s=time.perf_counter() - tic,
         stopped=first in stop,
-        logprobs=_read_one_row(values[2:], first, top),
+        logprobs=read_one_row(values[2:], first, top),
     )
     yield step
     if step.stopped or max_tokens == 1:
@@ -390,7 +216,7 @@ def _open(
     widest = max(_block_size(drafter, settings), tree + 1 if isinstance(tree, int) else 1, *(s.width for s in offered))
     if drafter is not None:
         target.capture(drafter.target_layer_ids)
-    return _resume(state, target, prompt, drafter, widest)
+    return resume(state, target, prompt, drafter, widest)
 
 
 def _prefill_chunks(
@@ -417,22 +243,6 @@ def _prefill_chunks(
         target.launch(*context)
         finishing = (feats, *context)
         yield hidden
-
-
-def logprob_top(target: TargetModel, settings: GenerationSettings) -> int | None:
-    """How many alternatives each committed token's log-probability comes with (at most the vocabulary);
-    None: none are computed."""
-    return None if settings.logprobs is None else min(settings.logprobs, target.vocab_size)
-
-
-def _one_row_logprobs(target: TargetModel, logits: Array, token: Array, top: int | None) -> Array | None:
-    """The log-probability table of one token picked from `logits` [1, V], lazily; None when not asked."""
-    return None if top is None else target.trees.token_logprobs(logits, token, top)
-
-
-def _read_one_row(values: list[int], token: int, top: int | None) -> list[TokenLogprob] | None:
-    """`_one_row_logprobs`, read (`values`: what the read returned after the token)."""
-    return None if top is None else [read_table(values, 1, 1, top).entry(0, 0, token)]
 
 
 # The shortest n-gram of the context that puts its continuation into a draft tree: single tokens match
@@ -667,11 +477,11 @@ def _next_token(
     target: TargetModel, cache, token: Array, params: SamplingParams, key, top: int | None = None
 ) -> tuple[Array, Array | None]:
     """Run one token through the target and pick the next one, lazily where the library is lazy; with `top`,
-    the picked token's log-probability table too (`_one_row_logprobs`)."""
+    the picked token's log-probability table too (`one_row_logprobs`)."""
     hidden, _ = target.forward(token, cache, capture=False)
     logits = target.head(hidden[-1:])
     picked = pick(target, logits, params, key)[0]
-    return picked, _one_row_logprobs(target, logits, picked, top)
+    return picked, one_row_logprobs(target, logits, picked, top)
 
 
 def _plain_steps(
@@ -717,7 +527,7 @@ def _plain_steps(
             now = time.perf_counter()
             stopped = token in stop
             target.memory.tick(i, i + 1)
-            yield Step([token], verify_s=now - tic, stopped=stopped, logprobs=_read_one_row(values[1:], token, top))
+            yield Step([token], verify_s=now - tic, stopped=stopped, logprobs=read_one_row(values[1:], token, top))
             tic = now
             if stopped:
                 return

@@ -180,7 +180,7 @@ def row_projection(layer: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.a
 @dataclass
 class Target:
     """An mlx-lm model with feature capture, a split head and rollback-safe caches:
-    the MLX side of `speculative.TargetModel`."""
+    the MLX side of `target_model.TargetModel`."""
 
     model: nn.Module
     config: dict

@@ -75,7 +75,7 @@ class ServeProcess:
 
 def collect(events: queue.Queue, timeout: float = 300):
     """A submitted job's answer: its streamed text and its `Finished` event (a `Failed` one fails the test)."""
-    from mlx_glimmer.server.worker import Delta, Failed, Finished
+    from mlx_glimmer.server.run import Delta, Failed, Finished
 
     text = []
     while True:

@@ -6,8 +6,8 @@ import pytest
 
 import mlx_glimmer
 from mlx_glimmer import GlimmerError
+from mlx_glimmer.decode_state import Step
 from mlx_glimmer.generate import GenerationStats, chunks_from_steps
-from mlx_glimmer.speculative import Step
 
 
 def test_stream_generate_yields_segments_that_add_up_to_generate(muse_pair):

@@ -268,7 +268,7 @@ def test_torch_rounds_read_once_through_the_seam(torch_muse, muse_pair, plain, p
 
 def test_closing_after_a_queued_round_leaves_the_cache_as_processed(muse_pair):
     """The next round is queued before a step is handed over; closing the stream there undoes it."""
-    from mlx_glimmer.speculative import DecodeState
+    from mlx_glimmer.decode_state import DecodeState
 
     for drafter, policy in ((muse_pair.drafter, None), (muse_pair.drafter, AlwaysPlain())):
         state = DecodeState()

@@ -31,7 +31,8 @@ from mlx_glimmer.drafters.base import Drafter, Marginals
 from mlx_glimmer.generate import GenerationStats, chunks_from_steps
 from mlx_glimmer.logprobs import prompt_logprobs
 from mlx_glimmer.server.app import ServerState, create_app, model_context
-from mlx_glimmer.server.worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job
+from mlx_glimmer.server.run import Delta, Failed, Finished, GenerationRequest, Job
+from mlx_glimmer.server.worker import GenerationWorker
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 

@@ -15,16 +15,8 @@ from serving import collect
 import mlx_glimmer
 from mlx_glimmer import DecodeState, GenerationSettings, SamplingParams
 from mlx_glimmer.server.prompt_cache import Conversation, PromptCache, common_prefix
-from mlx_glimmer.server.worker import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-    GenerationWorker,
-    Job,
-    Run,
-    StopMatcher,
-)
+from mlx_glimmer.server.run import Delta, Failed, Finished, GenerationRequest, Job, Run, StopMatcher
+from mlx_glimmer.server.worker import GenerationWorker
 
 A = [256] + list(b"The quick brown fox")
 B = [256] + list(b"Lorem ipsum dolor sit amet")

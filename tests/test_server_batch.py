@@ -42,7 +42,8 @@ from mlx_glimmer.server.batch import (
 from mlx_glimmer.server.batch_cache import BatchWindowedKVCache, merge_rows
 from mlx_glimmer.server.metrics import metrics_text
 from mlx_glimmer.server.prompt_cache import Conversation
-from mlx_glimmer.server.worker import Delta, Finished, GenerationRequest, GenerationWorker, Job
+from mlx_glimmer.server.run import Delta, Finished, GenerationRequest, Job
+from mlx_glimmer.server.worker import GenerationWorker
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError
 from mlx_glimmer.speculative import generate_steps, prefill
 

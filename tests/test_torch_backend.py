@@ -109,7 +109,7 @@ def test_torch_speculative_is_lossless_far_past_the_sliding_window(muse_pair, to
 
 
 def test_both_targets_have_every_member_the_loop_and_the_drafters_use(muse_pair, torch_pairs):
-    from mlx_glimmer.speculative import SamplingOps, TargetModel
+    from mlx_glimmer.target_model import SamplingOps, TargetModel
 
     def members(protocol) -> set[str]:
         return {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)

@@ -13,10 +13,10 @@ from typing import Callable
 
 from textual.message import Message
 
+from mlx_glimmer.decode_state import DecodeState
 from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.generate import GenerationStats, calibrate
 from mlx_glimmer.settings import GenerationSettings
-from mlx_glimmer.speculative import DecodeState
 
 from .pacing import Pacer
 from .session import Settings, Turn, rebuild_state, run_turn

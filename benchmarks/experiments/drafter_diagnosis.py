@@ -442,8 +442,8 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
     import mlx.core as mx
     import numpy as np
 
+    from mlx_glimmer.decode_state import ROLLBACK_SLACK
     from mlx_glimmer.settings import SamplingParams
-    from mlx_glimmer.speculative import ROLLBACK_SLACK
 
     target, drafter = pair.target, pair.drafter
     B = drafter.block_size
@@ -488,8 +488,9 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
 def speculative_acceptance(pair, answers: list[dict], max_tokens: int, block_size: int) -> tuple[dict, list]:
     import numpy as np
 
+    from mlx_glimmer.decode_state import common_prefix
     from mlx_glimmer.settings import GenerationSettings
-    from mlx_glimmer.speculative import common_prefix, generate_steps
+    from mlx_glimmer.speculative import generate_steps
 
     drafter = pair.drafter
     K = block_size - 1

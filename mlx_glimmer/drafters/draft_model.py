@@ -21,9 +21,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache import make_rollback_cache, trim_cache
+from ..decode_state import common_prefix
 from ..errors import GlimmerError
 from ..sampling import probabilities, sample
-from ..speculative import common_prefix
 from .base import Drafter
 
 UNREAD = -1  # a drafted token in the draft model's cache whose id is not known yet (never equals a token id)

@@ -50,8 +50,9 @@ from .protocol import (
     refuse_unsupported,
     request_settings,
 )
+from .run import Delta, Failed, Finished, GenerationRequest, Job, PromptLogprobs
 from .tools import ResponseParser, ToolPlan, plan_tools, with_instruction
-from .worker import Delta, Failed, Finished, GenerationRequest, GenerationWorker, Job, PromptLogprobs, QueueFull
+from .worker import GenerationWorker, QueueFull
 
 DEFAULT_CONTEXT = 131072  # when the target's config names no max_position_embeddings
 

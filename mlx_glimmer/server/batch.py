@@ -38,10 +38,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..decode_state import DecodeState
 from ..divergence import explain_first_divergence, next_token_logits, to_numpy
 from ..logprobs import TokenLogprob, read_table
 from ..settings import SamplingParams
-from ..speculative import DecodeState
 from ..target import Target
 from .batch_cache import BatchedCache, merge_rows, unbatched_kinds
 

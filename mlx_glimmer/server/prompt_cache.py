@@ -34,7 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..speculative import DecodeState, common_prefix
+from ..decode_state import DecodeState, common_prefix
 
 _ids = count()
 

@@ -1,6 +1,6 @@
 """The target on torch: a transformers causal LM with feature capture, split head, croppable cache.
 
-The torch side of `mlx_glimmer.speculative.TargetModel`: `forward` runs the
+The torch side of `mlx_glimmer.target_model.TargetModel`: `forward` runs the
 decoder stack (the text model inside `MuseGlimmerForConditionalGeneration`, or
 the `.model` of any `AutoModelForCausalLM`) and returns the final hidden states
 and the outputs of the captured decoder layers; `head` is the output
