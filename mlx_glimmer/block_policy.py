@@ -328,18 +328,22 @@ class RoundTimes:
         return self.seconds.get((band_of(context), shape))
 
     def observe(self, shape: Shape, context: int, seconds: float, predicted: float | None = None) -> None:
-        """The first rounds weigh as much as each other; a round cheaper than the average pulls it at least
-        halfway (load only ever adds time). `predicted`: what the table said this round would take."""
-        if predicted:
-            self.scale = 0.8 * self.scale + 0.2 * min(max(seconds / predicted, 0.1), 10.0)
+        """The first round of a shape in a band only warms it up (a new shape builds its kernels, as
+        `measure_verify_cost`'s first run does) and is not kept; later rounds weigh as much as each other at
+        first, and a round cheaper than the average pulls it at least halfway (load only ever adds time).
+        `predicted`: what the table said this round would take."""
         key = (band_of(context), shape)
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
+        if n == 1:
+            return
+        if predicted:
+            self.scale = 0.8 * self.scale + 0.2 * min(max(seconds / predicted, 0.1), 10.0)
         old = self.seconds.get(key)
         if old is None:
             self.seconds[key] = seconds
             return
-        weight = max(self.alpha, 1.0 / n, 0.5 if seconds < old else 0.0)
+        weight = max(self.alpha, 1.0 / (n - 1), 0.5 if seconds < old else 0.0)
         self.seconds[key] = (1 - weight) * old + weight * seconds
 
 
