@@ -1,8 +1,11 @@
-"""A test drafter that knows the target's greedy continuation and lies at chosen positions."""
+"""Test drafters that know the target's greedy continuation and lie at chosen positions (as a chain, or
+as marginals whose second choice is the right token), and a width policy that never drafts."""
 
 import mlx.core as mx
+import numpy as np
 
-from mlx_glimmer.drafters.base import Drafter
+from mlx_glimmer.block_policy import Shape
+from mlx_glimmer.drafters.base import Drafter, Marginals
 
 
 class OracleDrafter(Drafter):
@@ -38,3 +41,58 @@ class OracleDrafter(Drafter):
             t = self.continuation[i] if i < len(self.continuation) else 0
             out.append((t + 1) % self.vocab if i in self.wrong else t)
         return mx.array(out, dtype=mx.uint32), None
+
+
+class TreeOracle(Drafter):
+    """Knows the target's greedy continuation: its per-position marginals put the most mass on the right token
+    and the second most on a wrong one, except at `wrong` indices, where a wrong token comes first and the right
+    one second, so the accepted path must take a side branch there."""
+
+    kind = "tree-oracle"
+    block_size = 16
+    has_marginals = True
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong: set[int], vocab: int):
+        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
+        self.observed = 0
+
+    def reset(self):
+        self.observed = 0
+
+    def observe(self, tokens, features):
+        self.observed += len(tokens)
+
+    def rollback(self, n):
+        self.observed -= n
+        return True
+
+    def propose(self, anchor, count, params, key):
+        start = self.observed - self.prompt_len + 1
+        return mx.array([self.right(i) for i in range(start, start + count)], dtype=mx.uint32), None
+
+    def right(self, i: int) -> int:
+        return self.continuation[i] if i < len(self.continuation) else 0
+
+    def marginals(self, anchor, count):
+        start = self.observed - self.prompt_len + 1  # generated index of the first draft position
+        logits = np.zeros((count, self.vocab), np.float32)
+        for row, i in enumerate(range(start, start + count)):
+            right = self.right(i)
+            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
+            logits[row, first], logits[row, second] = 10.0, 9.5
+        return Marginals(mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True))
+
+
+class AlwaysPlain:
+    """A width policy that never drafts: every round is a width-1 round of the drafting loop."""
+
+    lookup = None  # no n-gram chains offered
+
+    def choose(self, context, found=0):
+        return Shape(1)
+
+    def shapes(self):
+        return [Shape(1)]
+
+    def observe_round(self, *args):
+        pass

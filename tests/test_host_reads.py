@@ -10,9 +10,9 @@ import dataclasses
 import mlx.core as mx
 import pytest
 import torch
-from oracle_drafter import OracleDrafter
+from oracle_drafter import AlwaysPlain, OracleDrafter
 
-from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, Shape, VerifyCost, WidthPolicy, width_policy
+from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, VerifyCost, WidthPolicy, width_policy
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
@@ -78,21 +78,6 @@ def per_step(steps, events: list) -> tuple[list, list[list[str]]]:
 
 def tokens_of(steps):
     return [t for s in steps for t in s.tokens]
-
-
-class AlwaysPlain:
-    """A width policy that never drafts: every round is a width-1 round of the drafting loop."""
-
-    lookup = None  # no n-gram chains offered
-
-    def choose(self, context, found=0):
-        return Shape(1)
-
-    def shapes(self):
-        return [Shape(1)]
-
-    def observe_round(self, *args):
-        pass
 
 
 def plain_leaning_policy(width: int) -> WidthPolicy:

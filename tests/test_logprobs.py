@@ -21,13 +21,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from oracle_drafter import OracleDrafter
+from oracle_drafter import AlwaysPlain, OracleDrafter, TreeOracle
 
 import mlx_glimmer
 from mlx_glimmer import tree as mlx_tree
-from mlx_glimmer.block_policy import Shape
 from mlx_glimmer.cli import main
-from mlx_glimmer.drafters.base import Drafter, Marginals
 from mlx_glimmer.generate import GenerationStats, chunks_from_steps
 from mlx_glimmer.logprobs import prompt_logprobs
 from mlx_glimmer.server.app import ServerState, create_app, model_context
@@ -74,61 +72,6 @@ def assert_the_targets_own(pair, prompt: list[int], tokens: list[int], logprobs,
             assert values[-1] >= np.sort(row)[-top] - TOL  # none likelier is left out
 
 
-class SideBranchOracle(Drafter):
-    """A block drafter that knows the target's greedy continuation: its marginals put the right token first,
-    except at `wrong` indices, where a wrong one comes first and the right one second, so an accepted tree
-    path runs through side branches (tokens whose rows are not the previous tree index)."""
-
-    kind = "side-branch-oracle"
-    block_size = 16
-    has_marginals = True
-
-    def __init__(self, prompt_len: int, continuation: list[int], wrong: set[int], vocab: int):
-        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
-        self.observed = 0
-
-    def reset(self):
-        self.observed = 0
-
-    def observe(self, tokens, features):
-        self.observed += len(tokens)
-
-    def rollback(self, n):
-        self.observed -= n
-        return True
-
-    def right(self, i: int) -> int:
-        return self.continuation[i] if i < len(self.continuation) else 0
-
-    def propose(self, anchor, count, params, key):
-        start = self.observed - self.prompt_len + 1
-        return mx.array([self.right(i) for i in range(start, start + count)], dtype=mx.uint32), None
-
-    def marginals(self, anchor, count):
-        start = self.observed - self.prompt_len + 1
-        logits = np.full((count, self.vocab), -30.0, np.float32)
-        for row, i in enumerate(range(start, start + count)):
-            right = self.right(i)
-            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
-            logits[row, first], logits[row, second] = 0.0, -0.5
-        return Marginals(mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True))
-
-
-class AlwaysPlain:
-    """A width policy that never drafts: every round of the drafting loop is a width-1 round."""
-
-    lookup = None  # it offers no n-gram lookup chains
-
-    def choose(self, context, found=0):
-        return Shape(1)
-
-    def shapes(self):
-        return [Shape(1)]
-
-    def observe_round(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module", params=["muse", "llama"])
 def pair(request):
     return request.getfixturevalue(f"{request.param}_pair")
@@ -162,7 +105,7 @@ def test_chain_rounds_report_each_committed_tokens_verify_row(pair, greedy, para
 
 
 def test_tree_paths_through_side_branches_report_each_tokens_parent_row(pair, greedy):
-    oracle = SideBranchOracle(len(PROMPT), greedy, WRONG, pair.target.vocab_size)
+    oracle = TreeOracle(len(PROMPT), greedy, WRONG, pair.target.vocab_size)
     steps = list(
         generate_steps(
             pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, tree=15, logprobs=TOP), drafter=oracle

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny_checkpoints as tc
-from oracle_drafter import OracleDrafter
+from oracle_drafter import OracleDrafter, TreeOracle
 from scipy.stats import chisquare
 
 import mlx_glimmer
@@ -489,46 +489,6 @@ def test_a_sampled_tree_round_commits_tokens_of_the_targets_filtered_distributio
 
 
 # --- end to end ----------------------------------------------------------------------------------------------------
-
-
-class TreeOracle(Drafter):
-    """Knows the target's greedy continuation: its per-position marginals put the most mass on the right token
-    and the second most on a wrong one, except at `wrong` indices, where a wrong token comes first and the right
-    one second, so the accepted path must take a side branch there."""
-
-    kind = "tree-oracle"
-    block_size = 16
-    has_marginals = True
-
-    def __init__(self, prompt_len: int, continuation: list[int], wrong: set[int], vocab: int):
-        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
-        self.observed = 0
-
-    def reset(self):
-        self.observed = 0
-
-    def observe(self, tokens, features):
-        self.observed += len(tokens)
-
-    def rollback(self, n):
-        self.observed -= n
-        return True
-
-    def propose(self, anchor, count, params, key):
-        start = self.observed - self.prompt_len + 1
-        return mx.array([self.right(i) for i in range(start, start + count)], dtype=mx.uint32), None
-
-    def right(self, i: int) -> int:
-        return self.continuation[i] if i < len(self.continuation) else 0
-
-    def marginals(self, anchor, count):
-        start = self.observed - self.prompt_len + 1  # generated index of the first draft position
-        logits = np.zeros((count, self.vocab), np.float32)
-        for row, i in enumerate(range(start, start + count)):
-            right = self.right(i)
-            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
-            logits[row, first], logits[row, second] = 10.0, 9.5
-        return Marginals(mx.array(log_softmax(logits)))
 
 
 @pytest.fixture(scope="module")
