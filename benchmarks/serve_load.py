@@ -21,12 +21,13 @@ about N words (sentences about the topics, in an order of the client's own,
 its topic first, so clients share no more than the chat template): long
 prompts, whose prefill weighs on a batch that requests join.
 
-`--compare`: after a warm-up of both modes (other prompts), the same server
-then serves the very requests the concurrent clients sent one after another
-(the concurrent run first, so whatever the prefix cache gives goes to the one
-after another run), and the summary's `compare` reports both aggregate
-throughputs, their ratio, and whether every concurrent output equals its
-one-at-a-time output. Where one does not, the first difference is explained
+`--compare`: after a warm-up of both modes (other prompts), a fresh server,
+started and warmed up the same way, serves the very requests the concurrent
+clients sent one after another, so neither run finds the other's prompts in
+its prefix cache (with `--url` the one server serves both runs, and the one
+after another run gets whatever that cache gives); the summary's `compare`
+reports both aggregate throughputs, their ratio, and whether every concurrent
+output equals its one-at-a-time output. Where one does not, the first difference is explained
 in-process once the server has stopped (`server.batch.explain_batched_divergence`:
 the position and both kernels' logit margins; a floating-point tie or not).
 
@@ -334,6 +335,15 @@ def main() -> int:
         records, wall = concurrently(client, args.clients, args.turns, args.max_tokens, deadline, args.context_words)
         after = scrape(root)
         if args.compare:
+            seq_before = after
+            if proc is not None:  # a server of its own, warmed up alike: no prompt of the first run is cached
+                proc.terminate()
+                proc.wait(timeout=30)
+                proc, url = start_server(args.bundle, max(32, args.clients), args.max_batch, args.prompt_cache_bytes)
+                root = url.removesuffix("/v1")
+                client = openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=600)
+                warm_up(client, args.clients)
+                seq_before = scrape(root)
             sequential, seq_wall = one_after_another(client, records, args.max_tokens)
             seq_after = scrape(root)
     finally:
@@ -405,7 +415,7 @@ def main() -> int:
     ]
     failed = summary["errors"] > 0
     if sequential is not None:
-        together, alone = phase(records, wall, before, after), phase(sequential, seq_wall, after, seq_after)
+        together, alone = phase(records, wall, before, after), phase(sequential, seq_wall, seq_before, seq_after)
         pairs = [(a, b) for a, b in zip(records, sequential) if not a["error"] and not b["error"]]
         differ = [(a, b) for a, b in pairs if a["text"] != b["text"]]
         explained = (

@@ -9,8 +9,11 @@ Greedy throughout, so every method must produce the same tokens; the run
 checks that and reports any difference. Each speculative method is a verify width
 and a draft-tree setting (`--block-sizes` x `--trees`), named `spec_b{width}_t{tree}`
 (`spec_bauto_tauto`, `spec_bauto_toff`, `spec_b16_toff`); a fixed width verifies chains
-under tree `auto`, so it runs as `off` (one method, not two). Every flag is checked
-(`check_bench_flags`) before MLX is imported and before the model loads.
+under tree `auto`, so it runs as `off` (one method, not two). `--with-lookup` adds `lookup`:
+n-gram prompt lookup alone (what `--prompt-lookup --block-sizes auto` runs), in the same run, so
+the default can be held against each proposer alone on the same prompts and the same plain
+baseline. Every flag is checked (`check_bench_flags`) before MLX is imported and before the
+model loads.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .block_policy import chip_name, describe
@@ -91,16 +95,30 @@ def spec_methods(block_sizes: list[int | str], trees: list[int | str]) -> list[s
     return list(dict.fromkeys(names))
 
 
+LOOKUP_ALONE = "lookup"  # the method of `--with-lookup`: prompt lookup alone, block size auto, chains
+LOOKUP_DRAFT_K = 10  # its drafts per round at most, as `--prompt-lookup` drafts by default
+
+
 def method_settings(method: str, max_tokens: int) -> GenerationSettings:
-    """The settings a method name stands for: `plain`, or `spec_b{width}_t{tree}`."""
+    """The settings a method name stands for: `plain`, `lookup` (its own pair: `lookup_pair`), or
+    `spec_b{width}_t{tree}`."""
     if method == "plain":
         return GenerationSettings(max_tokens=max_tokens, speculative=False)
+    if method == LOOKUP_ALONE:
+        return GenerationSettings(max_tokens=max_tokens, block_size=AUTO, tree=OFF)
     width, tree = method.removeprefix("spec_b").split("_t")
     return GenerationSettings(
         max_tokens=max_tokens,
         block_size=width if width == AUTO else int(width),
         tree=tree if tree in (AUTO, OFF) else int(tree),
     )
+
+
+def lookup_pair(pair):
+    """The same target drafting by n-gram lookup alone, as `--prompt-lookup` loads it."""
+    from .drafters.prompt_lookup import PromptLookupDrafter
+
+    return replace(pair, drafter=PromptLookupDrafter(draft_k=LOOKUP_DRAFT_K), drafter_path=None)
 
 
 def median_speedup(method: list[float], plain: list[float]) -> float:
@@ -115,6 +133,11 @@ def device_name() -> str:
     return f"{chip_name()} ({mx.default_device()})"
 
 
+def home_relative(path) -> str:
+    """A path as a results file records it: under the home folder as `~/...`, so it names no one's machine."""
+    return str(path).replace(str(Path.home()), "~")
+
+
 def environment(pair) -> dict:
     import mlx.core as mx
     import mlx_lm
@@ -125,9 +148,9 @@ def environment(pair) -> dict:
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        "target": str(pair.target_path),
+        "target": home_relative(pair.target_path),
         "target_quantization": pair.quantization,
-        "drafter": str(pair.drafter_path) if pair.drafter_path else None,
+        "drafter": home_relative(pair.drafter_path) if pair.drafter_path else None,
         "drafter_kind": pair.drafter.kind if pair.drafter is not None else None,
     }
     try:
@@ -173,6 +196,7 @@ def run_bench(
     repeats: int = 1,
     warmup: int = 1,
     baseline: bool = True,
+    with_lookup: bool = False,
     log=None,
 ) -> dict:
     from .generate import encode_prompt
@@ -184,12 +208,13 @@ def run_bench(
         )
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     spec = spec_methods(block_sizes, trees)
-    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec
+    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec + ([LOOKUP_ALONE] if with_lookup else [])
+    pairs = {m: lookup_pair(pair) if m == LOOKUP_ALONE else pair for m in methods}
     results = {m: Measurement(m) for m in methods}
     first_width = [m for m in spec if m.startswith(method_name(block_sizes[0], ""))] if spec else []
     for ids in encoded[:warmup]:
-        for m in first_width:  # the first width, each tree setting
-            time_ours(pair, ids, method_settings(m, 16))
+        for m in first_width + ([LOOKUP_ALONE] if with_lookup else []):  # the first width, each tree setting
+            time_ours(pairs[m], ids, method_settings(m, 16))
         time_ours(pair, ids, method_settings("plain", 16))
     for rep in range(repeats):
         for n, ids in enumerate(encoded):
@@ -199,7 +224,7 @@ def run_bench(
                     toks, dt = time_mlx_lm(pair, ids, max_tokens)
                     results[m].add(max(len(toks) - 1, 0), dt)
                 else:
-                    toks, dt, stats = time_ours(pair, ids, method_settings(m, max_tokens))
+                    toks, dt, stats = time_ours(pairs[m], ids, method_settings(m, max_tokens))
                     results[m].add(
                         max(len(toks) - 1, 0), dt, stats.target_forwards, stats.acceptance_lengths, stats.verify_widths
                     )
@@ -250,7 +275,7 @@ def format_table(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, r in res.items():
-        if m != "plain" and not m.startswith("spec_"):
+        if m == "mlx_lm":
             continue
         per_token = r["target_forwards"] / max(r["tokens"], 1)
         speedup = r["tokens_per_second"] / plain if plain else 0.0
@@ -262,7 +287,7 @@ def format_table(report: dict) -> str:
             f"{per_token:.3f} |"
         )
     for m, r in res.items():
-        if m.startswith(method_name(AUTO, "")):
+        if m.startswith(method_name(AUTO, "")) or m == LOOKUP_ALONE:
             lines.append(f"\n{m} verify widths (width: rounds): {r['verify_width_histogram']}")
         if r.get("accepted_from"):
             sources = ", ".join(f"{k} {n}" for k, n in sorted(r["accepted_from"].items()))
@@ -347,6 +372,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=1, help="passes over the prompts (default 1)")
     p.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up prompts (default 1; 0 = none)")
     p.add_argument("--no-baseline", action="store_true", help="skip mlx_lm.stream_generate")
+    p.add_argument(
+        "--with-lookup",
+        action="store_true",
+        help="also run n-gram prompt lookup alone (as --prompt-lookup --block-sizes auto) as method 'lookup', "
+        "interleaved with the others",
+    )
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json-out", default=None, help="write the JSON report here")
     add_drafter_flags(p)
@@ -384,6 +415,10 @@ def check_bench_flags(args) -> None:
     tree_settings(args)
     if args.sweep_block_size and args.block_sizes:
         raise GlimmerError("bench: --sweep-block-size and --block-sizes exclude each other")
+    if args.with_lookup and args.prompt_lookup:
+        raise GlimmerError(
+            "bench: --with-lookup adds prompt lookup beside the drafter; with --prompt-lookup it is there"
+        )
     if not Path(args.prompts).is_file():
         raise GlimmerError(f"bench: --prompts {args.prompts}: prompt file not found")
     if args.json_out and Path(args.json_out).is_dir():
@@ -424,8 +459,9 @@ def cmd_bench(args, open_pair) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         baseline=not args.no_baseline,
+        with_lookup=args.with_lookup,
     )
-    report["command"] = " ".join(sys.argv)
+    report["command"] = home_relative(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
     print(format_table(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ Two measurements drive the choice:
 
 With draft trees on, the same rule also weighs tree budgets (`TreeAcceptance`:
 tokens committed per round, per budget) and the n-gram lookup's continuation
-verified alone (its own `AcceptanceModel`, no drafter call).
+verified alone (no drafter call; `LookupAcceptance`: an `AcceptanceModel` per
+length of the n-gram it matched).
 
 Expected tokens committed by a chain of width w (w - 1 drafts):
 E(w) = 1 + sum_{j<w} prod_{i<=j} a_i. The rule picks argmax_w E(w) / (cost(w) +
@@ -313,6 +314,28 @@ class TreeAcceptance:
 
 
 @dataclass
+class LookupAcceptance:
+    """The n-gram lookup's per-position acceptance (`AcceptanceModel`), learnt apart for each length of the n-gram
+    it matched: a 4-gram match goes on as the context did far more often than a 2-gram one, so one model for all
+    would offer long chains after weak matches and short ones after strong matches (docs/design.md)."""
+
+    size: int  # drafts per round at most
+    ngrams: tuple[int, ...] = (2, 3, 4)  # the match lengths the lookup finds (`LOOKUP_MIN_NGRAM` to its max)
+    models: dict[int, AcceptanceModel] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.models = self.models or {n: AcceptanceModel(self.size) for n in self.ngrams}
+
+    def model(self, ngram: int) -> AcceptanceModel:
+        """The model for a match of `ngram` tokens (clamped to the lengths kept apart)."""
+        return self.models[min(max(ngram, self.ngrams[0]), self.ngrams[-1])]
+
+    def seen(self) -> float:
+        """Recent rounds that judged a lookup draft, over every match length (decayed)."""
+        return sum(m.offered[0] for m in self.models.values())
+
+
+@dataclass
 class RoundTimes:
     """Seconds of a whole drafting round per context band and shape, as the loop timed them (draft, verify and
     read together), averaged as `VerifyCost.observe` averages. The verify-cost table plus a drafting residual
@@ -356,7 +379,7 @@ class WidthPolicy:
     probe_interval: int = 8
     max_interval: int = 256
     trees: TreeAcceptance | None = None  # tree budgets it may choose (None: chains only)
-    lookup: AcceptanceModel | None = None  # the n-gram lookup's chains, offered with trees (None: never)
+    lookup: LookupAcceptance | None = None  # the n-gram lookup's chains, offered with trees (None: never)
     tree_draft_seconds: float | None = None  # a tree round's drafting time (the drafter's, the build's), averaged
     round_times: RoundTimes = field(default_factory=RoundTimes)  # each drafting shape's own rounds, timed
     _interval: int = 0
@@ -388,9 +411,9 @@ class WidthPolicy:
         draft = (self.tree_draft_seconds if shape.tree else None) or self.draft_seconds or 0.0
         return costs[shape.width - 1] + draft
 
-    def _expected(self, shape: Shape, chain: list[float]) -> float:
+    def _expected(self, shape: Shape, chain: list[float], ngram: int = 0) -> float:
         if shape.lookup:
-            return self.lookup.expected_tokens(shape.width)
+            return self.lookup.model(ngram).expected_tokens(shape.width)
         if not shape.tree:
             return chain[shape.width - 1]
         prior = 1.0 + (chain[min(shape.width, self.max_width) - 1] - 1.0) * TREE_PRIOR_GAIN
@@ -406,25 +429,28 @@ class WidthPolicy:
             lookups = [Shape(w, lookup=True) for w in range(2, min(found, self.lookup.size) + 2)]
         return chains + [s for s in trees + lookups if s.width <= self.cost.max_width]
 
-    def rate(self, shape: Shape, context: int) -> float:
-        """Expected committed tokens per second of this shape."""
+    def rate(self, shape: Shape, context: int, ngram: int = 0) -> float:
+        """Expected committed tokens per second of this shape (a lookup chain: after a match of `ngram` tokens)."""
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        return self._expected(shape, chain) / max(self._seconds(shape, costs, context), 1e-9)
+        return self._expected(shape, chain, ngram) / max(self._seconds(shape, costs, context), 1e-9)
 
     def lookup_may_pay(self, context: int) -> bool:
-        """Whether the lookup's continuation, were it found at full length, would beat a plain step."""
+        """Whether the lookup's continuation, were it found at full length after the strongest match, would beat
+        a plain step."""
         if self.lookup is None:
             return False
         found = [s for s in self.shapes(self.lookup.size) if s.lookup]
-        return max(self.rate(s, context) for s in found) > self.rate(Shape(1), context)
+        best = max(self.rate(s, context, n) for s in found for n in self.lookup.ngrams)
+        return best > self.rate(Shape(1), context)
 
-    def choose(self, context: int, found: int = 0) -> Shape:
-        """The next round's shape after `context` tokens, `found` tokens of n-gram continuation at hand."""
+    def choose(self, context: int, found: int = 0, ngram: int = 0) -> Shape:
+        """The next round's shape after `context` tokens, `found` tokens of n-gram continuation at hand, matched
+        on an n-gram of `ngram` tokens."""
         self._interval = self._interval or self.probe_interval
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
         ranked = sorted(
             self.shapes(found),
-            key=lambda s: self._expected(s, chain) / max(self._seconds(s, costs, context), 1e-9),
+            key=lambda s: self._expected(s, chain, ngram) / max(self._seconds(s, costs, context), 1e-9),
             reverse=True,
         )
         best = ranked[0]
@@ -446,7 +472,7 @@ class WidthPolicy:
         """How much recent evidence it has on this shape's kind (decayed rounds)."""
         if shape.tree:
             return self.trees.seen(shape.width)
-        return (self.lookup if shape.lookup else self.acceptance).offered[0]
+        return self.lookup.seen() if shape.lookup else self.acceptance.offered[0]
 
     def _plain_probe(self, ranked: list[Shape]) -> Shape:
         """While plain decoding wins, the least seen of: a chain of `probe_width`, the smallest tree, and the
@@ -478,6 +504,7 @@ class WidthPolicy:
         timed: bool = True,
         lookup_offered: int = 0,
         lookup_kept: int = 0,
+        lookup_ngram: int = 0,
     ) -> None:
         """One round timed as a whole, as the loop times it: `seconds` from the host read before it to its
         own (draft and verify run as one queued graph, so they cannot be timed apart without a second
@@ -488,13 +515,14 @@ class WidthPolicy:
         drafting switched off. `timed` False: the time is not representative (the draft projected a long
         backlog of context, such as a prompt's): only the acceptance counts, so no estimate is seeded from it.
         A tree that held `lookup_offered` nodes of the n-gram continuation, of which its accepted path kept
-        `lookup_kept`, also says what that continuation verified alone would have kept."""
+        `lookup_kept`, also says what that continuation verified alone would have kept. `lookup_ngram`: the
+        length of the n-gram the lookup matched, for a lookup chain or a tree's lookup branch."""
         if shape.tree:
             self.trees.observe(shape.width, accepted + 1)
             if self.lookup is not None and lookup_offered:  # the tree's lookup branch: a lookup chain's evidence
-                self.lookup.observe(lookup_offered, lookup_kept)
+                self.lookup.model(lookup_ngram).observe(lookup_offered, lookup_kept)
         elif shape.lookup:
-            self.lookup.observe(shape.width - 1, accepted)
+            self.lookup.model(lookup_ngram).observe(shape.width - 1, accepted)
         elif shape.width > 1:
             self.acceptance.observe(shape.width - 1, accepted)
         if timed:
@@ -506,7 +534,7 @@ class WidthPolicy:
                     residual = max(seconds - self.cost.estimate(shape.width, context), 0.0)
                     self._observe_draft(shape.tree, residual)
                 self.round_times.observe(shape, context, seconds, predicted)
-        self._judge_probe(shape, context)
+        self._judge_probe(shape, context, lookup_ngram)
 
     def _observe_draft(self, tree: bool, residual: float) -> None:
         samples = (self._tree_samples if tree else self._draft_samples) + 1
@@ -521,11 +549,11 @@ class WidthPolicy:
         else:
             self._draft_samples, self.draft_seconds = samples, current
 
-    def _judge_probe(self, shape: Shape, context: int) -> None:
+    def _judge_probe(self, shape: Shape, context: int, ngram: int = 0) -> None:
         """After a probe (always wider than 1): did it pay? Then probe at the base interval, else back off."""
         if self._probing and shape.width > 1:
             self._probing = False
-            paid = self.rate(shape, context) > self.rate(Shape(1), context)
+            paid = self.rate(shape, context, ngram) > self.rate(Shape(1), context)
             self._interval = self.probe_interval if paid else min(2 * self._interval, self.max_interval)
 
 
@@ -536,7 +564,7 @@ def width_policy(
     the n-gram lookup's chains up to the widest tree too); acceptance and drafter cost carry over from the
     pair's previous one."""
     trees = TreeAcceptance(tuple(tree_widths)) if tree_widths else None
-    lookup = AcceptanceModel(max(tree_widths) - 1) if tree_widths else None
+    lookup = LookupAcceptance(max(tree_widths) - 1) if tree_widths else None
     if previous is not None and previous.max_width == max_width:
         if trees is not None and previous.trees is not None and previous.trees.widths == trees.widths:
             trees = previous.trees

@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 from .block_policy import Shape, WidthPolicy
 from .decode_state import DecodeState, Step, resume
 from .drafters.base import Drafter
-from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.prompt_lookup import Match, PromptLookupDrafter
 from .logprobs import logprob_top, one_row_logprobs, path_logprobs, read_one_row, read_table
 from .sampling import pick
 from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
@@ -61,7 +61,8 @@ class _Round:
     verdict: Array  # `tree.verdict`'s form: [depth, next token, path marks, sources]
     draft_s: float  # host seconds spent proposing and launching the draft
     timed: bool  # its time can feed the width policy (the draft did not project a long backlog)
-    lookup_offered: int = 0  # nodes of the n-gram branch in the tree
+    lookup_offered: int = 0  # nodes of the n-gram continuation it verifies (a tree's branch, or a lookup chain)
+    lookup_ngram: int = 0  # the length of the n-gram that continuation matched
     logprobs: Array | None = None  # `TreeOps.round_logprobs` of its verify, when asked
     top: int = 0  # the alternatives per position in `logprobs`
 
@@ -84,11 +85,11 @@ class _Proposers:
     depth: int  # the deepest draft the drafter proposes (its block minus the anchor)
     lookup_share: float = 0.5  # of a tree's budget, what the n-gram branch may take (follows its acceptance)
 
-    def lookup_branch(self, anchor: int, budget: int, remaining: int) -> list[int]:
-        """The n-gram continuation after `anchor` for a tree of `budget` nodes, [] when nothing matches."""
+    def lookup_branch(self, anchor: int, budget: int, remaining: int) -> Match:
+        """The n-gram continuation after `anchor` for a tree of `budget` nodes (no tokens when nothing matches)."""
         if self.lookup is None:
-            return []
-        return self.lookup.indexed_lookup(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
+            return Match([], 0)
+        return self.lookup.indexed_match(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
 
     def learn(self, offered: int, kept: int) -> None:
         """A round offered `offered` lookup nodes and its accepted path held `kept` of them: the branch's share
@@ -253,18 +254,18 @@ LOOKUP_MIN_NGRAM = 2
 def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, remaining: int, params, key):
     """The round's drafts on the device: a tree (the drafter's best prefixes and the lookup's branch) or a
     chain (the drafter's or the lookup's); the chain's draft distributions (None: a tree, or drafted
-    deterministically); lookup nodes offered."""
+    deterministically); the lookup's match it holds (no tokens: none)."""
     if shape.lookup:
-        found = proposers.lookup.indexed_lookup(anchor, min(shape.width - 1, remaining - 1))
-        return target.trees.chain(target.tokens(found), LOOKUP), None, len(found)
+        match = proposers.lookup.indexed_match(anchor, min(shape.width - 1, remaining - 1))
+        return target.trees.chain(target.tokens(match.tokens), LOOKUP), None, match
     if shape.tree:
         budget = shape.width - 1
-        found = proposers.lookup_branch(anchor, budget, remaining)
+        match = proposers.lookup_branch(anchor, budget, remaining)
         # A tree of `budget` nodes is at most `budget` deep: a shorter block costs the drafter less.
         marginals = proposers.drafter.marginals(anchor, min(proposers.depth, remaining - 1, budget))
-        return target.trees.merged_tree(marginals.log_probs, budget, found, marginals.vocab), None, len(found)
+        return target.trees.merged_tree(marginals.log_probs, budget, match.tokens, marginals.vocab), None, match
     draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, key)
-    return target.trees.chain(target.tokens(draft)), draft_probs, 0
+    return target.trees.chain(target.tokens(draft)), draft_probs, Match([], 0)
 
 
 def _launch(
@@ -286,14 +287,14 @@ def _launch(
     alternatives of each committed token's log-probability (None: none computed)."""
     k_draft, k_accept = keys
     tic = time.perf_counter()
-    draft, draft_probs, timed, offered = target.trees.chain(target.tokens([])), None, True, 0
+    draft, draft_probs, timed, match = target.trees.chain(target.tokens([])), None, True, Match([], 0)
     inputs = anchor_ids
     if shape.width > 1 and remaining > 1:
         # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
         # this round's time unrepresentative: the policy then learns only its acceptance.
         timed = shape.lookup or proposers.drafter.backlog <= block_size
         # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-        draft, draft_probs, offered = _draft(target, proposers, anchor, shape, remaining, params, k_draft)
+        draft, draft_probs, match = _draft(target, proposers, anchor, shape, remaining, params, k_draft)
         target.launch(draft.tokens, draft_probs)
         inputs = target.join(anchor_ids, draft.tokens)
     draft_s = time.perf_counter() - tic
@@ -307,7 +308,7 @@ def _launch(
         verdict = target.trees.verdict(draft, logits, params, k_accept)
     logprobs = None if top is None else target.trees.round_logprobs(logits, draft, verdict, top)
     target.launch(verdict, logprobs)
-    return _Round(shape, draft, feats, verdict, draft_s, timed, offered, logprobs, top or 0)
+    return _Round(shape, draft, feats, verdict, draft_s, timed, len(match.tokens), match.ngram, logprobs, top or 0)
 
 
 def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
@@ -383,10 +384,10 @@ def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: 
             return Shape(min(settings.block_size, left))
         if lookup_cap and anchor is None and left > 1 and policy.lookup_may_pay(context):
             return None
-        found = 0
+        match = Match([], 0)
         if lookup_cap and anchor is not None and left > 1:
-            found = len(proposers.lookup.indexed_lookup(anchor, min(lookup_cap, left - 1)))
-        shape = policy.choose(context, found)
+            match = proposers.lookup.indexed_match(anchor, min(lookup_cap, left - 1))
+        shape = policy.choose(context, len(match.tokens), match.ngram)
         if shape.tree:
             return shape if left > 1 else Shape(1)
         return replace(shape, width=min(shape.width, left))
@@ -447,7 +448,14 @@ def _speculative_steps(
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
                 policy.observe_round(
-                    rnd.shape, path.depth, context, now - last_read, rnd.timed, rnd.lookup_offered, path.lookup_kept
+                    rnd.shape,
+                    path.depth,
+                    context,
+                    now - last_read,
+                    rnd.timed,
+                    rnd.lookup_offered,
+                    path.lookup_kept,
+                    rnd.lookup_ngram,
                 )
             step.verify_s, last_read = max(now - last_read - rnd.draft_s, 0.0), now
             committed = step.tokens

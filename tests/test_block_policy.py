@@ -235,7 +235,7 @@ def test_the_lookups_continuation_alone_is_chosen_when_it_is_found_and_kept():
     shapes = []
     for i in range(300):
         found = 12 if i % 2 else 0
-        shape = policy.choose(100, found)
+        shape = policy.choose(100, found, ngram=4 if found else 0)
         shapes.append((found, shape))
         if shape.lookup:
             assert shape.width <= found + 1
@@ -243,7 +243,30 @@ def test_the_lookups_continuation_alone_is_chosen_when_it_is_found_and_kept():
         else:
             depth = 0 if shape.width == 1 else min(shape.width - 1, 2)
         drafting = 0.0 if shape.lookup or shape.width == 1 else 0.3
-        policy.observe_round(shape, depth, 100, seconds=policy.cost.estimate(shape.width, 100) + drafting)
+        seconds = policy.cost.estimate(shape.width, 100) + drafting
+        policy.observe_round(shape, depth, 100, seconds=seconds, lookup_ngram=4 if shape.lookup else 0)
     late = shapes[-100:]
     assert sum(s.lookup and s.width == 13 for found, s in late if found) >= 40  # the rest: probes
     assert not any(s.lookup for found, s in late if not found)
+
+
+def test_a_long_ngram_match_is_trusted_apart_from_a_short_one():
+    """A 4-gram match's continuation is kept whole and a 2-gram match's never: the policy verifies the first
+    alone and, after the second, drafts as it would with nothing found."""
+    policy = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    chosen = {2: [], 4: []}
+    for i in range(400):
+        ngram = 4 if i % 2 else 2
+        shape = policy.choose(100, 12, ngram)
+        chosen[ngram].append(shape)
+        if shape.lookup:
+            depth = shape.width - 1 if ngram == 4 else 0
+        else:
+            depth = 0 if shape.width == 1 else min(shape.width - 1, 1)
+        drafting = 0.0 if shape.lookup or shape.width == 1 else 0.3
+        seconds = policy.cost.estimate(shape.width, 100) + drafting
+        policy.observe_round(shape, depth, 100, seconds=seconds, lookup_ngram=ngram if shape.lookup else 0)
+    strong, weak = chosen[4][-100:], chosen[2][-100:]
+    assert sum(s.lookup and s.width == 13 for s in strong) >= 80, strong
+    assert sum(s.lookup for s in weak) <= 20, weak  # probes only
+    assert policy.lookup.model(4).rates()[0] > 0.9 > 0.5 > policy.lookup.model(2).rates()[0]

@@ -66,6 +66,7 @@ def test_prompt_lookup_index_answers_as_the_scan_does_through_observe_and_rollba
             anchor, count = rng.randrange(vocab), rng.randint(1, 8)
             assert d.history == history
             assert d.indexed_lookup(anchor, count) == d.lookup(history + [anchor], count)
+            assert d.indexed_match(anchor, count) == d.reference_match(history + [anchor], count)
             draft, _ = d.propose(anchor, count, SamplingParams(), None)
             assert draft.tolist() == d.lookup(history + [anchor], min(count, d.draft_k))
 

@@ -12,9 +12,20 @@ probe per n-gram length instead of a scan of the whole history.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from .base import Drafter
+
+
+@dataclass(frozen=True)
+class Match:
+    """What the lookup found: the continuation, and the length of the n-gram it matched (0: nothing). A longer
+    match continues the context far more often (docs/design.md), so acceptance is learnt per length."""
+
+    tokens: list[int]
+    ngram: int
 
 
 class PromptLookupDrafter(Drafter):
@@ -53,16 +64,24 @@ class PromptLookupDrafter(Drafter):
 
     def lookup(self, seq: list[int], count: int) -> list[int]:
         """The reference rule, by scanning `seq` (the history plus the anchor): what `propose` answers."""
+        return self.reference_match(seq, count).tokens
+
+    def reference_match(self, seq: list[int], count: int) -> Match:
+        """`lookup` with the length of the n-gram it matched."""
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start : start + n] == tail:
-                    return seq[start + n : start + n + count]
-        return []
+                    return Match(seq[start + n : start + n + count], n)
+        return Match([], 0)
 
     def indexed_lookup(self, anchor: int, count: int) -> list[int]:
-        """`lookup(history + [anchor], count)` from the index: an earlier occurrence of the tail lies wholly
-        in the history, and the newest one wins."""
+        """`lookup(history + [anchor], count)` from the index."""
+        return self.indexed_match(anchor, count).tokens
+
+    def indexed_match(self, anchor: int, count: int) -> Match:
+        """`reference_match(history + [anchor], count)` from the index: an earlier occurrence of the tail lies
+        wholly in the history, and the newest one wins."""
         history = self.history
         size = len(history)
         for n in range(min(self.max_ngram, size), self.min_ngram - 1, -1):
@@ -72,8 +91,8 @@ class PromptLookupDrafter(Drafter):
                 found = history[start : start + count]
                 if len(found) < count and start + len(found) == size:
                     found.append(anchor)
-                return found
-        return []
+                return Match(found, n)
+        return Match([], 0)
 
     def propose(self, anchor, count, params, key):
         found = self.indexed_lookup(int(anchor), min(count, self.draft_k))

@@ -1,0 +1,35 @@
+"""`bench --with-lookup` holds the default against prompt lookup alone in the same run, on the same prompts."""
+
+import json
+
+from mlx_glimmer.cli import main
+
+
+def test_lookup_alone_runs_beside_the_drafter_and_its_output_equals_plain(tmp_path, checkpoints, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Repeat after me: one two three four, one two three four."}) + "\n")
+    report = tmp_path / "bench.json"
+    argv = ["bench", str(checkpoints["llama"]), "--drafter", str(checkpoints["llama_assistant"])]
+    argv += ["--prompts", str(prompts), "--num-prompts", "1", "--no-baseline", "--warmup", "1", "--max-tokens", "12"]
+    argv += ["--block-sizes", "auto", "--trees", "off", "--with-lookup", "--json-out", str(report)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    data = json.loads(report.read_text())
+    assert list(data["results"]) == ["plain", "spec_bauto_toff", "lookup"]
+    lookup = data["results"]["lookup"]
+    assert lookup["mismatches"] == 0 and len(lookup["per_prompt_tokens_per_second"]) == 1
+    assert "| lookup |" in table
+
+
+def test_results_name_paths_under_home_as_tilde_so_they_name_no_machine():
+    from pathlib import Path
+
+    from mlx_glimmer.bench import home_relative
+
+    assert home_relative(Path.home() / ".cache" / "demo") == str(Path("~") / ".cache" / "demo")
+
+
+def test_with_lookup_and_prompt_lookup_together_is_one_error_line(capsys):
+    assert main(["bench", "--prompt-lookup", "--with-lookup"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: bench: --with-lookup"), err
