@@ -395,6 +395,12 @@ def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: 
     return shape_for
 
 
+def _observe(policy: WidthPolicy, rnd: _Round, path: Path, context: int, seconds: float) -> None:
+    """Tell the width policy what a read round kept and took (`WidthPolicy.observe_round`)."""
+    lookup = (rnd.lookup_offered, path.lookup_kept, rnd.lookup_ngram)
+    policy.observe_round(rnd.shape, path.depth, context, seconds, rnd.timed, *lookup)
+
+
 def _speculative_steps(
     target: TargetModel,
     state: DecodeState,
@@ -447,16 +453,7 @@ def _speculative_steps(
             step, path = _commit(target, state, proposers, rnd, anchor, values, stop)
             state.ahead = queued.width if queued is not None else 0
             if policy is not None:
-                policy.observe_round(
-                    rnd.shape,
-                    path.depth,
-                    context,
-                    now - last_read,
-                    rnd.timed,
-                    rnd.lookup_offered,
-                    path.lookup_kept,
-                    rnd.lookup_ngram,
-                )
+                _observe(policy, rnd, path, context, now - last_read)
             step.verify_s, last_read = max(now - last_read - rnd.draft_s, 0.0), now
             committed = step.tokens
             target.memory.tick(generated, generated + len(committed))

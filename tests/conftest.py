@@ -128,6 +128,19 @@ def demo_pair(demo_bundle):
     return mlx_glimmer.load(demo_bundle)
 
 
+@pytest.fixture(scope="session")
+def demo_server(demo_bundle):
+    """`mlx-glimmer serve` on the demo pair in a process of its own, started once for the server tests (they
+    read its metrics as differences); it must print no traceback while it runs."""
+    from serving import DEMO_MAX_BATCH, DEMO_MAX_QUEUE, ServeProcess
+
+    cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", str(demo_bundle), "--port", "0"]
+    cmd += ["--max-queue", str(DEMO_MAX_QUEUE), "--max-batch", str(DEMO_MAX_BATCH)]
+    server = ServeProcess(cmd)
+    yield server
+    server.stop_and_check()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread while a module runs (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):

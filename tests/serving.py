@@ -9,6 +9,9 @@ import subprocess
 import threading
 import time
 
+DEMO_MAX_QUEUE = 12  # the demo pair's server (conftest's `demo_server`): requests waiting at most
+DEMO_MAX_BATCH = 4  # ... and decoded together at most
+
 
 class ServeProcess:
     """Runs `cmd` (a `serve` command line), keeps its stderr in `log` and waits for the line with its URL

@@ -10,7 +10,7 @@ from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time")
-N = 210
+N = 120  # the prompt and these run over 15 windows of 8
 
 
 def tokens(steps):

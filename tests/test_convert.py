@@ -225,32 +225,32 @@ def peaked(tmp_path_factory):
     )
 
 
-def test_quantized_bundles_agree_with_float_on_greedy_argmax(tmp_path, peaked, sources, capsys):
-    figures = {}
-    for name, src in (("peaked", peaked), ("default", sources["muse"])):
-        logits = {}
-        for label, kw in (
-            ("float", dict(bits=16, dtype="float32")),
-            ("bf16", dict(bits=16)),
-            ("8-bit", dict(bits=8)),
-            ("4-bit", dict(bits=4)),
-            ("4-bit+8-bit embed/head", dict(bits=4, embed_bits=8)),
-        ):
-            out = tmp_path / f"{name}-{label.replace('/', '-').replace('+', '-')}"
-            convert(src, out, **kw)
-            logits[label] = mlx_logits(out / "target")
-        ref = logits.pop("float")
-        figures[name] = {k: agreement(v, ref) for k, v in logits.items()}
-        other = ref.argmax(-1) != PROMPTS  # positions where float does not just repeat its input
-        rest = {k: agreement(v[other], ref[other]) for k, v in logits.items()}
-        with capsys.disabled():
-            shown = ", ".join(f"{k} {v:.1%} ({rest[k]:.1%})" for k, v in figures[name].items())
-            print(
-                f"\n[convert] {name} tiny Muse, argmax agreement with float over {PROMPTS.size} positions "
-                f"(in brackets: the {other.sum()} where float does not repeat its input): {shown}"
-            )
-    assert figures["peaked"]["8-bit"] >= 0.95, figures
-    assert figures["peaked"]["4-bit"] >= 0.85, figures
+def test_quantized_bundles_agree_with_float_on_greedy_argmax(tmp_path, peaked, capsys):
+    """On the peaked tiny Muse. (The default one is chaotic, see build_muse_target: bf16 keeps ~82% of its
+    argmaxes, 8-bit ~58%, 4-bit ~12%, which measures the checkpoint rather than the quantization.)"""
+    logits = {}
+    for label, kw in (
+        ("float", dict(bits=16, dtype="float32")),
+        ("bf16", dict(bits=16)),
+        ("8-bit", dict(bits=8)),
+        ("4-bit", dict(bits=4)),
+        ("4-bit+8-bit embed/head", dict(bits=4, embed_bits=8)),
+    ):
+        out = tmp_path / label.replace("/", "-").replace("+", "-")
+        convert(peaked, out, **kw)
+        logits[label] = mlx_logits(out / "target")
+    ref = logits.pop("float")
+    figures = {k: agreement(v, ref) for k, v in logits.items()}
+    other = ref.argmax(-1) != PROMPTS  # positions where float does not just repeat its input
+    rest = {k: agreement(v[other], ref[other]) for k, v in logits.items()}
+    with capsys.disabled():
+        shown = ", ".join(f"{k} {v:.1%} ({rest[k]:.1%})" for k, v in figures.items())
+        print(
+            f"\n[convert] peaked tiny Muse, argmax agreement with float over {PROMPTS.size} positions "
+            f"(in brackets: the {other.sum()} where float does not repeat its input): {shown}"
+        )
+    assert figures["8-bit"] >= 0.95, figures
+    assert figures["4-bit"] >= 0.85, figures
 
 
 # --- loaders and decoding -------------------------------------------------------------------------------
@@ -528,6 +528,9 @@ def dequantized_forward(model_dir: Path, ids: list[int], tmp: Path):
 
 
 @pytest.mark.network
+# Slow: the real 135M weights, converted, then read by transformers too. By default, GGUF blocks unpack exactly
+# (above) and the demo pair, converted from this file, answers real text (test_demo.py).
+@pytest.mark.slow
 def test_gguf_smollm2_matches_transformers_on_real_text(tmp_path, capsys):
     import mlx_lm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -651,6 +654,8 @@ def test_a_width_no_group_size_divides_is_one_error_line(tmp_path, capsys):
 
 
 @pytest.mark.network
+# Slow: converts the real 135M weights. By default, the asked width is honoured on tiny sources (above).
+@pytest.mark.slow
 def test_gguf_source_honours_bits(tmp_path):
     gguf_path = find_or_fetch_smollm2_gguf(REPO_CACHE)
     out = tmp_path / "q8"

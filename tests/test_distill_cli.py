@@ -37,26 +37,19 @@ def prompt_files(tmp_path):
     return write_prompt_files(tmp_path)
 
 
+ANSWER_FLAGS = ["--generator", "mlx", "--answer-tokens", 24, "--batch-size", 3, "--temperatures", "0,0.8"]
+TRAIN_FLAGS = ["--layers", 1, "--context-layers", 3, "--anchors", 4, "--sequences-per-step", 2, "--eval-prompts", 1]
+TRAIN_FLAGS += ["--eval-tokens", 8, "--mask-token", 259]
+
+
 @pytest.fixture(scope="module")
 def answered(checkpoints, tmp_path_factory):
-    """A `--data-only` run's answers (24 tokens each), made once for the tests that train on them:
-    (its folder, the prompt flags it was made with)."""
+    """A `--data-only` run's answers (greedy and at temperature 0.8, 24 tokens each), made once for the tests
+    that resume or train on them: (its folder, the prompt flags it was made with)."""
     root = tmp_path_factory.mktemp("answered")
     prompts = write_prompt_files(root)
     run = root / "run"
-    data = distill(
-        checkpoints["llama"],
-        "--out",
-        run,
-        *prompts,
-        "--generator",
-        "mlx",
-        "--answer-tokens",
-        24,
-        "--batch-size",
-        3,
-        "--data-only",
-    )
+    data = distill(checkpoints["llama"], "--out", run, *prompts, *ANSWER_FLAGS, "--data-only")
     assert data.returncode == 0, data.stderr
     return run, prompts
 
@@ -65,39 +58,31 @@ def records(run):
     return [json.loads(line) for line in (run / "data" / "responses.jsonl").read_text().splitlines()]
 
 
-def test_answers_resume_after_an_interrupted_append(checkpoints, prompt_files, tmp_path):
-    run = tmp_path / "run"
-    common = [
-        checkpoints["llama"],
-        "--out",
-        run,
-        *prompt_files,
-        "--generator",
-        "mlx",
-        "--answer-tokens",
-        10,
-        "--batch-size",
-        2,
-        "--temperatures",
-        "0,0.8",
-        "--data-only",
-    ]
-    first = distill(*common)
-    assert first.returncode == 0, first.stderr
+@pytest.fixture(scope="module")
+def resumed(checkpoints, answered, tmp_path_factory):
+    """A whole run (answers, then training) started again on a copy of the answers whose last append was cut
+    mid-line, as a killed run leaves it: (its folder, the answers before the cut, the finished process)."""
+    answers, prompt_files = answered
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(answers, run)
     full = records(run)
-    assert sorted((r["index"], r["tag"]) for r in full) == sorted((i, t) for i in range(6) for t in ("greedy", "t0.8"))
-    assert all(r["response_ids"] and len(r["response_ids"]) <= 10 for r in full)
-
     lines = (run / "data" / "responses.jsonl").read_text().splitlines(keepends=True)
-    (run / "data" / "responses.jsonl").write_text(
-        "".join(lines[:5]) + lines[5][: len(lines[5]) // 2]
-    )  # killed mid-write
-    again = distill(*common)
+    (run / "data" / "responses.jsonl").write_text("".join(lines[:5]) + lines[5][: len(lines[5]) // 2])
+    flags = [*ANSWER_FLAGS, "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 4, "--eval-every", 4]
+    return run, full, distill(checkpoints["llama"], "--out", run, *prompt_files, *flags)
+
+
+def test_answers_resume_after_an_interrupted_append(resumed):
+    run, full, again = resumed
+    assert sorted((r["index"], r["tag"]) for r in full) == sorted((i, t) for i in range(6) for t in ("greedy", "t0.8"))
+    assert all(r["response_ids"] and len(r["response_ids"]) <= 24 for r in full)
     assert again.returncode == 0, again.stderr
     resumed = records(run)  # every line parses: the cut line was dropped, not appended to
     assert sorted((r["index"], r["tag"]) for r in resumed) == sorted((r["index"], r["tag"]) for r in full)
     greedy = {r["index"]: r["response_ids"] for r in full if r["tag"] == "greedy"}
     assert all(greedy[r["index"]] == r["response_ids"] for r in resumed if r["tag"] == "greedy")
+    log = json.loads((run / "log.json").read_text())  # then it trained on both temperatures' answers
+    assert log["answers"] == 12 and (run / "drafter" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
@@ -108,39 +93,13 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     run = tmp_path / "run"
     shutil.copytree(answers, run)  # a run that has its answers and nothing else yet
     before = (run / "data" / "responses.jsonl").read_bytes()
-    train = distill(
-        checkpoints["llama"],
-        "--out",
-        run,
-        *prompt_files,
-        "--train-only",
-        "--train-backend",
-        backend,
-        "--layers",
-        1,
-        "--context-layers",
-        3,
-        "--anchors",
-        4,
-        "--sequences-per-step",
-        2,
-        "--steps",
-        6,
-        "--eval-every",
-        3,
-        "--eval-prompts",
-        1,
-        "--eval-tokens",
-        8,
-        "--mask-token",
-        259,
-        "--no-compile",
-    )
+    flags = ["--train-only", "--train-backend", backend, *TRAIN_FLAGS, "--steps", 6, "--eval-every", 3]
+    train = distill(checkpoints["llama"], "--out", run, *prompt_files, *flags, "--no-compile")
     assert train.returncode == 0, train.stderr
     assert (run / "data" / "responses.jsonl").read_bytes() == before  # nothing generated
     log = json.loads((run / "log.json").read_text())
     assert [e["step"] for e in log["evaluations"]] == [3, 6] and log["config"]["backend"] == backend
-    assert log["answers"] == 6 and log["eval"]["block_size"] == 16
+    assert log["answers"] == 6 and log["eval"]["block_size"] == 16  # the greedy ones: --temperatures 0
     pair = mlx_glimmer.load(target=checkpoints["llama"], drafter=run / "drafter")
     prompt = [256] + list(b"a prompt never seen")
     assert (
@@ -149,47 +108,14 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     )
 
 
-def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_files, tmp_path):
-    run, tuned = tmp_path / "run", tmp_path / "tuned"
-    common = [
-        checkpoints["llama"],
-        *prompt_files,
-        "--layers",
-        1,
-        "--context-layers",
-        3,
-        "--anchors",
-        4,
-        "--sequences-per-step",
-        2,
-        "--eval-prompts",
-        1,
-        "--eval-tokens",
-        8,
-        "--mask-token",
-        259,
-        "--train-backend",
-        "mlx",
-    ]
-    first = distill(
-        *common,
-        "--out",
-        run,
-        "--generator",
-        "mlx",
-        "--answer-tokens",
-        16,
-        "--batch-size",
-        3,
-        "--steps",
-        4,
-        "--eval-every",
-        4,
-    )
+def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_files, resumed, tmp_path):
+    run, _, first = resumed  # a whole run: its drafter is the warm start
     assert first.returncode == 0, first.stderr
+    tuned = tmp_path / "tuned"
     (tuned / "data").mkdir(parents=True)
     (tuned / "data" / "responses.jsonl").write_bytes((run / "data" / "responses.jsonl").read_bytes())
-    again = distill(*common, "--out", tuned, "--train-only", "--init", run / "drafter", "--steps", 2, "--eval-every", 2)
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--init", run / "drafter", "--steps", 2]
+    again = distill(checkpoints["llama"], *prompt_files, "--out", tuned, *flags, "--eval-every", 2)
     assert again.returncode == 0, again.stderr
     log = json.loads((tuned / "log.json").read_text())
     assert [e["step"] for e in log["evaluations"]] == [0, 2] and log["config"]["init"] == str(run / "drafter")

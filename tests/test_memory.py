@@ -1,7 +1,10 @@
 """Metal memory settings through one seam (`memory.DeviceMemory`): what a generation asks of it, and no-ops here."""
 
+import itertools
+
 import mlx.core as mx
 import pytest
+from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
 from mlx_glimmer.memory import GIB, NO_MEMORY, DeviceMemory, model_bytes
@@ -101,17 +104,45 @@ def test_a_generation_wires_its_weights_and_puts_the_limits_back(muse_pair, meta
     assert memory.calls[0] == ("wired", weights + GIB) and weights > wired - GIB
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_the_loop_clears_after_prefill_chunks_and_every_256_tokens(muse_pair, metal, speculative):
+LONG_PROMPT = [256] + list(b"x" * 1100)  # 3 prefill chunks of 512
+# 2 chunks before the last, 1 after the first token, then at 256 and 512 tokens.
+CLEARS_IN_600_TOKENS = 2 + 1 + 2
+
+
+@pytest.fixture(scope="module")
+def plain_600(muse_pair):
+    """600 tokens of the plain loop after LONG_PROMPT, with the seam on a fake Metal: (tokens, the seam's calls,
+    the clears Metal saw)."""
+    fake = FakeMetal(bound=24 * GIB)
+    memory, before = DeviceMemory(enabled=True, ops=fake), muse_pair.target.memory
+    muse_pair.target.memory = memory
+    try:
+        steps = list(generate_steps(muse_pair.target, LONG_PROMPT, GenerationSettings(max_tokens=600)))
+    finally:
+        muse_pair.target.memory = before
+    return [t for s in steps for t in s.tokens], memory.calls, fake.clears
+
+
+def test_the_plain_loop_clears_after_prefill_chunks_and_every_256_tokens(plain_600):
+    tokens, calls, clears = plain_600
+    assert len(tokens) == 600
+    assert calls == [("clear",)] * CLEARS_IN_600_TOKENS and clears == CLEARS_IN_600_TOKENS
+
+
+def test_the_speculative_loop_clears_after_prefill_chunks_and_every_256_tokens(muse_pair, metal, plain_600):
+    """Its rounds commit several tokens each (a drafter that knows the answer but for every 7th token)."""
     memory, fake = metal
-    prompt = [256] + list(b"x" * 1100)  # 3 prefill chunks of 512
-    drafter = muse_pair.drafter if speculative else None
+    plain = plain_600[0]
+    drafter = OracleDrafter(len(LONG_PROMPT), plain, {i for i in range(600) if i % 7 == 5}, muse_pair.target.vocab_size)
     steps = list(
-        generate_steps(muse_pair.target, prompt, GenerationSettings(max_tokens=600, block_size=16), drafter=drafter)
+        generate_steps(
+            muse_pair.target, LONG_PROMPT, GenerationSettings(max_tokens=600, block_size=16), drafter=drafter
+        )
     )
-    assert sum(len(s.tokens) for s in steps) == 600
-    # 2 chunks before the last, 1 after the first token, then at 256 and 512 tokens.
-    assert memory.calls == [("clear",)] * (2 + 1 + 2) and fake.clears == 5
+    assert [t for s in steps for t in s.tokens] == plain
+    ends = set(itertools.accumulate(len(s.tokens) for s in steps))
+    assert 256 not in ends and 512 not in ends  # both counts are passed inside a round
+    assert memory.calls == [("clear",)] * CLEARS_IN_600_TOKENS and fake.clears == CLEARS_IN_600_TOKENS
 
 
 def test_streams_that_overlap_share_one_setting(muse_pair, metal):

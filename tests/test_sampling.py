@@ -105,6 +105,15 @@ class NoisyTargetDrafter(Drafter):
     def __init__(self, target):
         self.target = target
         self.history = []
+        self.known = {}  # (params, context) -> q: the draws of a test repeat contexts
+
+    def q(self, seq: list[int], params):
+        """The draft distribution after `seq` (the same every time: the target's forward runs once)."""
+        key = (params, tuple(seq))
+        if key not in self.known:
+            p = probabilities(self.target.model(mx.array([seq]))[0, -1], params)
+            self.known[key] = 0.6 * p + 0.4 / p.shape[-1]
+        return self.known[key]
 
     def reset(self):
         self.history = []
@@ -115,8 +124,7 @@ class NoisyTargetDrafter(Drafter):
     def propose(self, anchor, count, params, key):
         seq, tokens, rows = self.history + [anchor], [], []
         for k in mx.random.split(key, count):
-            p = probabilities(self.target.model(mx.array([seq]))[0, -1], params)
-            q = 0.6 * p + 0.4 / p.shape[-1]
+            q = self.q(seq, params)
             t = int(mx.random.categorical(mx.log(q), key=k).item())
             seq.append(t)
             tokens.append(t)
@@ -180,14 +188,14 @@ def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
     p1, p2, p3 = exact_marginals(target, params)
     cost = VerifyCost(4, [[1.0, 1.05, 1.1, 1.15] for _ in range(4)])
     policy = WidthPolicy(cost, AcceptanceModel(3), probe_interval=2)
-    draws, widths = [], set()
+    draws, widths, drafter = [], set(), NoisyTargetDrafter(target)
     for seed in range(800):  # as many draws as the fixed-width test takes
         steps = list(
             generate_steps(
                 target,
                 PROMPT,
                 GenerationSettings(params, max_tokens=3, block_size=4, seed=10_000 + seed),
-                drafter=NoisyTargetDrafter(target),
+                drafter=drafter,
                 policy=policy,
             )
         )

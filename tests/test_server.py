@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,23 +18,14 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from serving import ServeProcess  # noqa: E402
+from serving import DEMO_MAX_QUEUE  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
 from mlx_glimmer import cli  # noqa: E402
 
 pytestmark = pytest.mark.network
 
-MAX_QUEUE = 12
 STORY = "Write a short story about a robot who learns to paint."
-
-
-class Server(ServeProcess):
-    """`mlx-glimmer serve ARGS` on a free port."""
-
-    def __init__(self, *args: str, timeout: float = 300):
-        cmd = [sys.executable, "-m", "mlx_glimmer.cli", "serve", *args, "--port", "0", "--max-queue", str(MAX_QUEUE)]
-        super().__init__(cmd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +34,8 @@ def bundle(demo_bundle):
 
 
 @pytest.fixture(scope="module")
-def server(bundle):
-    s = Server(str(bundle))
-    yield s
-    s.stop_and_check()
+def server(demo_server):
+    return demo_server  # conftest: the demo pair's server, shared with test_server_batch.py
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +210,10 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     stream = server.client().chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
     next(iter(stream))  # the model is busy with this one
     body = {"model": "demo", "messages": ask("Say hi."), "max_tokens": 1}
-    with ThreadPoolExecutor(MAX_QUEUE + 4) as pool:
+    with ThreadPoolExecutor(DEMO_MAX_QUEUE + 4) as pool:
         futures = [
             pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=300)
-            for _ in range(MAX_QUEUE + 4)
+            for _ in range(DEMO_MAX_QUEUE + 4)
         ]
         time.sleep(1.0)
         stream.close()
@@ -234,7 +222,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
     assert all(r.status_code == 200 for r in responses if r.status_code != 503)
-    assert sum(r.status_code == 200 for r in responses) >= MAX_QUEUE - 1
+    assert sum(r.status_code == 200 for r in responses) >= DEMO_MAX_QUEUE - 1
 
 
 LONG = "word " * 9000  # more tokens than the demo's 8192-token context

@@ -32,7 +32,8 @@ from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several windows of 8
-N_TOKENS = 300
+N_TOKENS = 150  # the prompt and these run over 20 windows of 8
+WINDOW6_TOKENS = 300  # trees of 31 nodes on a window of 6: 50 windows past it
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SAMPLED = SamplingParams(temperature=0.8, top_k=5)
 
@@ -507,7 +508,7 @@ def side_branches(steps, wrong: set[int]) -> int:
 
 @pytest.fixture(scope="module")
 def window6_pair(tmp_path_factory):
-    """A Muse target with a window of 6: 300 tokens run 50 windows past it."""
+    """A Muse target with a window of 6, its own drafter."""
     root = tmp_path_factory.mktemp("tree_w6")
     tc.build_muse_target(root / "t", sliding_window=6, seed=3)
     tc.build_assistant(root / "d", target_layer_ids=[1, 3, 5], seed=4)
@@ -516,24 +517,23 @@ def window6_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def window6_plain(window6_pair):
-    return tokens_of(generate_steps(window6_pair.target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)))
+    return tokens_of(generate_steps(window6_pair.target, PROMPT, GenerationSettings(max_tokens=WINDOW6_TOKENS)))
 
 
 @pytest.mark.parametrize("window, nodes", [(8, 3), (6, 31)])
 def test_greedy_trees_equal_plain_greedy(request, window, nodes):
     pair = request.getfixturevalue("muse_pair" if window == 8 else "window6_pair")
     plain = request.getfixturevalue("plain" if window == 8 else "window6_plain")
-    target, muse_pair = pair.target, pair
+    target, count = pair.target, N_TOKENS if window == 8 else WINDOW6_TOKENS
     assert target.model.args.sliding_window == window
-    steps = list(
-        generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, tree=nodes), drafter=muse_pair.drafter)
-    )
+    settings = GenerationSettings(max_tokens=count, tree=nodes)
+    steps = list(generate_steps(target, PROMPT, settings, drafter=pair.drafter))
     assert tokens_of(steps) == plain
     assert all(s.tree and s.drafted <= nodes for s in steps[1:-1])
 
-    wrong = {i for i in range(N_TOKENS) if i % 7 == 3}
+    wrong = {i for i in range(count) if i % 7 == 3}
     oracle = TreeOracle(len(PROMPT), plain, wrong, target.vocab_size)
-    steps = list(generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, tree=nodes), drafter=oracle))
+    steps = list(generate_steps(target, PROMPT, settings, drafter=oracle))
     assert tokens_of(steps) == plain
     if nodes >= 15:
         assert np.mean([s.accepted for s in steps[1:]]) > 3  # long paths, past wrong first choices ...
