@@ -320,7 +320,7 @@ class LookupAcceptance:
     would offer long chains after weak matches and short ones after strong matches (docs/design.md)."""
 
     size: int  # drafts per round at most
-    ngrams: tuple[int, ...] = (2, 3, 4)  # the match lengths the lookup finds (`LOOKUP_MIN_NGRAM` to its max)
+    ngrams: tuple[int, ...] = (1, 2, 3, 4)  # the match lengths the lookup finds
     models: dict[int, AcceptanceModel] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -89,7 +89,8 @@ class _Proposers:
         """The n-gram continuation after `anchor` for a tree of `budget` nodes (no tokens when nothing matches)."""
         if self.lookup is None:
             return Match([], 0)
-        return self.lookup.indexed_match(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
+        match = self.lookup.indexed_match(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
+        return match if match.ngram >= LOOKUP_MIN_NGRAM else Match([], 0)
 
     def learn(self, offered: int, kept: int) -> None:
         """A round offered `offered` lookup nodes and its accepted path held `kept` of them: the branch's share
@@ -165,7 +166,7 @@ def generate_steps(
         return
     lookup = None
     if trees:
-        lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=LOOKUP_MIN_NGRAM)
+        lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=1)
         lookup.observe(prompt, None)
     settings = replace(settings, block_size=block_size)
     proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0)
@@ -247,7 +248,8 @@ def _prefill_chunks(
 
 
 # The shortest n-gram of the context that puts its continuation into a draft tree: single tokens match
-# everywhere in prose, and a branch that is rarely right takes budget from the model's nodes.
+# everywhere in prose, and a branch that is rarely right takes budget from the model's nodes. The continuation
+# verified alone takes single-token matches too: its acceptance is learnt per match length.
 LOOKUP_MIN_NGRAM = 2
 
 
