@@ -88,7 +88,7 @@ class AlwaysPlain:
 
     lookup = None  # no n-gram chains offered
 
-    def choose(self, context, found=0):
+    def choose(self, context, found=0, ngram=0):
         return Shape(1)
 
     def shapes(self):
