@@ -73,14 +73,19 @@ class TreeOracle(Drafter):
     def right(self, i: int) -> int:
         return self.continuation[i] if i < len(self.continuation) else 0
 
-    def marginals(self, anchor, count):
+    def logits(self, count: int) -> np.ndarray:
+        """[count, vocab]: the next `count` draft positions' logits, the first choice at 10, the second at 9.5."""
         start = self.observed - self.prompt_len + 1  # generated index of the first draft position
         logits = np.zeros((count, self.vocab), np.float32)
         for row, i in enumerate(range(start, start + count)):
             right = self.right(i)
             first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
             logits[row, first], logits[row, second] = 10.0, 9.5
-        return Marginals(mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True))
+        return logits
+
+    def marginals(self, anchor, count):
+        logits = mx.array(self.logits(count))
+        return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 class AlwaysPlain:
@@ -94,5 +99,5 @@ class AlwaysPlain:
     def shapes(self):
         return [Shape(1)]
 
-    def observe_round(self, *args):
+    def observe_round(self, *args, **kwargs):
         pass

@@ -4,10 +4,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from oracle_drafter import TreeOracle
 from scipy.stats import chisquare
 
 from mlx_glimmer import tree as mlx_tree
-from mlx_glimmer.drafters.base import Drafter, Marginals
+from mlx_glimmer.drafters.base import Marginals
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 from mlx_glimmer.torch_backend import load_torch
@@ -176,35 +177,14 @@ def test_a_tree_verify_on_llama_takes_one_mask(checkpoints):
         )
 
 
-class TorchTreeOracle(Drafter):
-    """Knows the target's greedy continuation; its per-position marginals put the most mass on the right token,
-    or, at `wrong` indices, on a wrong one with the right one second, so the accepted path takes side branches."""
-
-    kind = "oracle"
-    block_size = 16
-    has_marginals = True
-
-    def __init__(self, prompt_len: int, continuation: list[int], wrong: set[int], vocab: int):
-        self.prompt_len, self.continuation, self.wrong, self.vocab = prompt_len, continuation, wrong, vocab
-        self.observed = 0
-
-    def reset(self):
-        self.observed = 0
-
-    def observe(self, tokens, features):
-        self.observed += len(tokens)
+class TorchTreeOracle(TreeOracle):
+    """`TreeOracle`'s marginals as torch tensors, for the torch target; it drafts trees only."""
 
     def propose(self, anchor, count, params, key):
         raise AssertionError("tree rounds only")
 
     def marginals(self, anchor, count):
-        start = self.observed - self.prompt_len + 1
-        logits = torch.zeros(count, self.vocab)
-        for row, i in enumerate(range(start, start + count)):
-            right = self.continuation[i] if i < len(self.continuation) else 0
-            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
-            logits[row, first], logits[row, second] = 10.0, 9.5
-        return Marginals(torch.log_softmax(logits, dim=-1))
+        return Marginals(torch.log_softmax(torch.from_numpy(self.logits(count)), dim=-1))
 
 
 def test_greedy_tree_and_chain_generation_on_torch_equal_plain_greedy(muse):
