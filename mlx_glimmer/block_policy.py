@@ -432,27 +432,29 @@ class WidthPolicy:
     def rate(self, shape: Shape, context: int, ngram: int = 0) -> float:
         """Expected committed tokens per second of this shape (a lookup chain: after a match of `ngram` tokens)."""
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
+        return self._rate(shape, chain, costs, context, ngram)
+
+    def _rate(self, shape: Shape, chain: list[float], costs: list[float], context: int, ngram: int = 0) -> float:
         return self._expected(shape, chain, ngram) / max(self._seconds(shape, costs, context), 1e-9)
 
     def lookup_may_pay(self, context: int) -> bool:
         """Whether the lookup's continuation, were it found at full length after the strongest match, would beat
-        a plain step."""
+        a plain step. Asked before every plain round is read: each model's expectations are computed once,
+        for all widths (`expected_all`), not once per width."""
         if self.lookup is None:
             return False
+        costs = self.cost.estimates(context)
         found = [s for s in self.shapes(self.lookup.size) if s.lookup]
-        best = max(self.rate(s, context, n) for s in found for n in self.lookup.ngrams)
-        return best > self.rate(Shape(1), context)
+        expected = [m.expected_all(self.lookup.size + 1) for m in self.lookup.models.values()]
+        best = max(e[s.width - 1] / max(self._seconds(s, costs, context), 1e-9) for s in found for e in expected)
+        return best > 1.0 / max(self._seconds(Shape(1), costs, context), 1e-9)
 
     def choose(self, context: int, found: int = 0, ngram: int = 0) -> Shape:
         """The next round's shape after `context` tokens, `found` tokens of n-gram continuation at hand, matched
         on an n-gram of `ngram` tokens."""
         self._interval = self._interval or self.probe_interval
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        ranked = sorted(
-            self.shapes(found),
-            key=lambda s: self._expected(s, chain, ngram) / max(self._seconds(s, costs, context), 1e-9),
-            reverse=True,
-        )
+        ranked = sorted(self.shapes(found), key=lambda s: self._rate(s, chain, costs, context, ngram), reverse=True)
         best = ranked[0]
         self._probing = False
         if best.width > 1:

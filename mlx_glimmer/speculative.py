@@ -399,8 +399,16 @@ def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: 
 
 def _observe(policy: WidthPolicy, rnd: _Round, path: Path, context: int, seconds: float) -> None:
     """Tell the width policy what a read round kept and took (`WidthPolicy.observe_round`)."""
-    lookup = (rnd.lookup_offered, path.lookup_kept, rnd.lookup_ngram)
-    policy.observe_round(rnd.shape, path.depth, context, seconds, rnd.timed, *lookup)
+    policy.observe_round(
+        rnd.shape,
+        path.depth,
+        context,
+        seconds,
+        rnd.timed,
+        lookup_offered=rnd.lookup_offered,
+        lookup_kept=path.lookup_kept,
+        lookup_ngram=rnd.lookup_ngram,
+    )
 
 
 def _speculative_steps(
