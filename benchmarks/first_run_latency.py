@@ -65,7 +65,7 @@ def main() -> int:
         first = first_token(pair, settings, announced.append)
         again = first_token(pair, settings, announced.append)
     report = {
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": shlex.join(["python", *sys.argv]),  # as a reader types it, not this interpreter's path
         "environment": environment(pair),
         "note": args.note,
         "load_s": round(load_s, 3),

@@ -23,7 +23,9 @@ length of the n-gram it matched).
 
 Expected tokens committed by a chain of width w (w - 1 drafts):
 E(w) = 1 + sum_{j<w} prod_{i<=j} a_i. The rule picks argmax_w E(w) / (cost(w) +
-draft cost), where width 1 is plain decoding (no drafter call, cost(1) only).
+draft cost), where width 1 is plain decoding (no drafter call, cost(1) only),
+over the widths the cost table measured: a width between two measured ones
+can cost more than the wider one (`VerifyCost.widths`).
 The drafter still proposes at its trained block size when that is how it
 works (DFlash proposes a whole block in one pass); only a prefix is verified.
 
@@ -48,14 +50,18 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
-MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured before the first answer; the others are interpolated
+# Measured before the first answer, and the only widths a round verifies (`VerifyCost.widths`).
+MEASURED_WIDTHS = (1, 2, 3, 4, 8, 16, 32)
 TREE_WIDTHS = (4, 8, 16, 32)  # tree budgets (tokens verified) `auto` weighs against the chain widths
+# Evidence one generation hands the next, at most, in rounds (each model's prior weighs 2): a new prompt is new
+# text, so what the last one kept is only a start, which the new text's first few rounds can outweigh.
+CARRIED_ROUNDS = 4.0
 # An untried tree budget is expected to keep this much more depth than the chain of its width: the ratio of
 # best-first trees to chains at equal width, teacher-forced with the demo drafter (docs/design.md).
 TREE_PRIOR_GAIN = 1.3
@@ -91,6 +97,14 @@ class VerifyCost:
             self.seconds = [[None] * self.max_width for _ in BANDS]
         if not self.counts:
             self.counts = [[0] * self.max_width for _ in BANDS]
+
+    def widths(self) -> list[int]:
+        """The widths a round may verify: those measured in some band (every width while none is). The cost of a
+        width between two measured ones need not lie between theirs: where a matrix kernel tiles rows by 4 or
+        8, a width just past a tile costs more than the next full tile (docs/design.md), and a round that
+        wants such a width verifies the next measured one instead, with more drafts for the same or less time."""
+        measured = [w for w in range(1, self.max_width + 1) if any(row[w - 1] is not None for row in self.seconds)]
+        return measured or list(range(1, self.max_width + 1))
 
     def estimate(self, width: int, context: int) -> float:
         """The least time measured at this width or any wider one: a verify cannot get dearer with fewer
@@ -220,7 +234,8 @@ def cached_verify_cost(
     `on_measure` (a callable taking one line) hears when it has to be measured, before it is."""
     path = None
     if directory is not None:
-        path = Path(directory) / f"{hashlib.sha256(f'{key}|{max_width}'.encode()).hexdigest()[:20]}.json"
+        name = f"{key}|{max_width}|{MEASURED_WIDTHS}"  # a table of other widths is measured again
+        path = Path(directory) / f"{hashlib.sha256(name.encode()).hexdigest()[:20]}.json"
         if path.is_file():
             try:
                 return VerifyCost.from_dict(json.loads(path.read_text()))
@@ -263,6 +278,12 @@ class AcceptanceModel:
             self.offered[i] += 1.0
             if i < accepted:
                 self.kept[i] += 1.0
+
+    def carried(self, rounds: float = CARRIED_ROUNDS) -> "AcceptanceModel":
+        """This model as the next generation starts from it: the same evidence, scaled (every position alike)
+        to at most `rounds` rounds at position 0, so its rates lean further toward their priors."""
+        scale = min(1.0, rounds / self.offered[0]) if self.offered[0] > 0 else 1.0
+        return replace(self, kept=[k * scale for k in self.kept], offered=[o * scale for o in self.offered])
 
     def rates(self) -> list[float]:
         """Position 0 shrinks toward 1/2; every later position toward the rate of the one before it, so a
@@ -312,6 +333,15 @@ class TreeAcceptance:
     def seen(self, width: int) -> float:
         return self.rounds.get(width, 0.0)
 
+    def carried(self, rounds: float = CARRIED_ROUNDS) -> "TreeAcceptance":
+        """As the next generation starts from it: each budget's mean, from at most `rounds` rounds."""
+        scale = {w: min(1.0, rounds / n) for w, n in self.rounds.items() if n > 0}
+        return replace(
+            self,
+            committed={w: c * scale.get(w, 1.0) for w, c in self.committed.items()},
+            rounds={w: n * scale.get(w, 1.0) for w, n in self.rounds.items()},
+        )
+
 
 @dataclass
 class LookupAcceptance:
@@ -324,7 +354,9 @@ class LookupAcceptance:
     models: dict[int, AcceptanceModel] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.models = self.models or {n: AcceptanceModel(self.size) for n in self.ngrams}
+        # Twice as forgetful as the drafter's model: how far a match goes on changes with the passage being
+        # copied (a list's fixed format, then its new entries), not only with the drafter's skill.
+        self.models = self.models or {n: AcceptanceModel(self.size, decay=0.9) for n in self.ngrams}
 
     def model(self, ngram: int) -> AcceptanceModel:
         """The model for a match of `ngram` tokens (clamped to the lengths kept apart)."""
@@ -333,6 +365,10 @@ class LookupAcceptance:
     def seen(self) -> float:
         """Recent rounds that judged a lookup draft, over every match length (decayed)."""
         return sum(m.offered[0] for m in self.models.values())
+
+    def carried(self, rounds: float = CARRIED_ROUNDS) -> "LookupAcceptance":
+        """As the next generation starts from it (`AcceptanceModel.carried`, per match length)."""
+        return replace(self, models={n: m.carried(rounds) for n, m in self.models.items()})
 
 
 @dataclass
@@ -420,13 +456,14 @@ class WidthPolicy:
         return self.trees.expected(shape.width, prior)
 
     def shapes(self, found: int = 0) -> list[Shape]:
-        """The shapes it weighs: every chain width, each tree budget, and with `found` tokens of n-gram
-        continuation at hand, the lookup's chains up to them."""
-        chains = [Shape(w) for w in range(1, self.max_width + 1)]
+        """The shapes it weighs: the chain widths the cost table measured (`VerifyCost.widths`), each tree budget,
+        and with `found` tokens of n-gram continuation at hand, the lookup's chains of measured widths up to them."""
+        grid = self.cost.widths()
+        chains = [Shape(w) for w in grid if w <= self.max_width]
         trees = [Shape(w, tree=True) for w in self.trees.widths] if self.trees is not None else []
         lookups = []
         if self.lookup is not None:
-            lookups = [Shape(w, lookup=True) for w in range(2, min(found, self.lookup.size) + 2)]
+            lookups = [Shape(w, lookup=True) for w in grid if 2 <= w <= min(found, self.lookup.size) + 1]
         return chains + [s for s in trees + lookups if s.width <= self.cost.max_width]
 
     def rate(self, shape: Shape, context: int, ngram: int = 0) -> float:
@@ -480,7 +517,7 @@ class WidthPolicy:
         """While plain decoding wins, the least seen of: a chain of `probe_width`, the smallest tree, and the
         n-gram continuation at hand. A tree's or the lookup's time and acceptance are otherwise only predicted
         (from the cost table, other shapes' drafting time, a prior), and one bad prediction would keep it out."""
-        chain = Shape(min(self.probe_width, self.max_width))
+        chain = Shape(max((w for w in self.cost.widths() if 1 < w <= min(self.probe_width, self.max_width)), default=2))
         tree = [Shape(min(self.trees.widths), tree=True)] if self.trees is not None else []
         lookup = [max((s for s in ranked if s.lookup), key=lambda s: s.width)] if any(s.lookup for s in ranked) else []
         candidates = [chain] + [s for s in tree + lookup if s.width <= self.cost.max_width]
@@ -488,13 +525,15 @@ class WidthPolicy:
 
     def _probe(self, best: Shape, ranked: list[Shape]) -> Shape:
         """Now and then another shape than the best, to keep its figures measured here and now: the tree
-        budget seen least while trees are offered (every other probe), else a chain one wider than the best."""
+        budget seen least while trees are offered (every other probe), else the next measured chain width above the
+        best."""
         if self.trees is not None and (self._draft_rounds // self.probe_interval) % 2:
             lookups = [s for s in ranked if s.lookup]
             others = [s for s in ranked if s.tree] + ([max(lookups, key=lambda s: s.width)] if lookups else [])
             return min(others, key=self._seen, default=best)
-        if not best.tree and not best.lookup and best.width < self.max_width:
-            return Shape(best.width + 1)
+        wider = [w for w in self.cost.widths() if best.width < w <= self.max_width]
+        if not best.tree and not best.lookup and wider:
+            return Shape(wider[0])
         return best
 
     def observe_round(
@@ -563,24 +602,25 @@ def width_policy(
     max_width: int, cost: VerifyCost, previous: WidthPolicy | None = None, tree_widths: tuple[int, ...] = ()
 ) -> WidthPolicy:
     """A policy for one generation over chains up to `max_width` and trees of `tree_widths` tokens (with trees,
-    the n-gram lookup's chains up to the widest tree too); acceptance and drafter cost carry over from the
-    pair's previous one."""
+    the n-gram lookup's chains up to the widest tree too). From the pair's previous one, timings carry over as
+    they were and acceptance as a start (`AcceptanceModel.carried`); probing starts again at its base interval.
+    A new prompt is new text: a drafter or lookup that paid on the last one may not on this one, nor fail
+    again where it failed."""
     trees = TreeAcceptance(tuple(tree_widths)) if tree_widths else None
     lookup = LookupAcceptance(max(tree_widths) - 1) if tree_widths else None
     if previous is not None and previous.max_width == max_width:
         if trees is not None and previous.trees is not None and previous.trees.widths == trees.widths:
-            trees = previous.trees
+            trees = previous.trees.carried()
         if lookup is not None and previous.lookup is not None and previous.lookup.size == lookup.size:
-            lookup = previous.lookup
+            lookup = previous.lookup.carried()
         return WidthPolicy(
             cost,
-            previous.acceptance,
+            previous.acceptance.carried(),
             previous.draft_seconds,
             trees=trees,
             lookup=lookup,
             tree_draft_seconds=previous.tree_draft_seconds,
             round_times=previous.round_times,
-            _interval=previous._interval,
             _draft_samples=previous._draft_samples,
             _tree_samples=previous._tree_samples,
         )

@@ -309,8 +309,8 @@ def widest_width(drafter: Drafter) -> int:
 
 # Per target: its measured verify cost; per drafter: the policy of its last generation (acceptance carries
 # over). Keyed by id with a weak reference to the owner (targets are unhashable dataclasses).
-_COSTS: dict[int, tuple[weakref.ref, VerifyCost]] = {}
-_POLICIES: dict[int, tuple[weakref.ref, WidthPolicy]] = {}
+_COSTS: dict[int, tuple[weakref.ref, dict[int, VerifyCost]]] = {}  # per target, per widest width
+_POLICIES: dict[int, tuple[weakref.ref, dict[tuple[int, ...], WidthPolicy]]] = {}  # per drafter, per tree budgets
 
 
 def _recall(table: dict, owner):
@@ -332,8 +332,9 @@ def _tree_widths(drafter: Drafter, settings: GenerationSettings) -> tuple[int, .
 def _verify_cost(pair: GenerationPair, width: int, on_measure: Callable[[str], None] | None = None) -> VerifyCost:
     """The pair's verify cost up to `width`: in memory, on disk (once per bundle, device, dtype, chip and
     library version), or measured now (`on_measure` hears it first)."""
-    cost = _recall(_COSTS, pair.target)
-    if cost is None or cost.max_width != width:
+    costs = _recall(_COSTS, pair.target) or {}  # per widest width: switching trees on and off keeps both tables
+    cost = costs.get(width)
+    if cost is None:
         config = Path(pair.target_path) / "config.json"
         stamp = config.stat().st_mtime_ns if config.is_file() else 0
         key = calibration_key(
@@ -342,7 +343,7 @@ def _verify_cost(pair: GenerationPair, width: int, on_measure: Callable[[str], N
         cost = cached_verify_cost(
             pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost", on_measure
         )
-        _remember(_COSTS, pair.target, cost)
+        _remember(_COSTS, pair.target, {**costs, width: cost})
     return cost
 
 
@@ -362,11 +363,14 @@ def calibrate(
 
 def auto_policy(pair: GenerationPair, drafter: Drafter, settings: GenerationSettings) -> WidthPolicy:
     """The `auto` policy for this pair, over chain widths and (trees on) tree budgets; acceptance carries over
-    from the drafter's previous generation."""
+    from the drafter's previous generation that weighed the same tree budgets. Kept apart per tree budgets: a
+    generation with trees off learns nothing of trees or the lookup, and must not make the next one with trees
+    on start from nothing there (nor hand it acceptance learnt where the lookup never drafted)."""
     tree_widths = _tree_widths(drafter, settings)
     cost = _verify_cost(pair, max((drafter.block_size, *tree_widths)))
-    policy = width_policy(drafter.block_size, cost, _recall(_POLICIES, drafter), tree_widths)
-    _remember(_POLICIES, drafter, policy)
+    remembered = _recall(_POLICIES, drafter) or {}
+    policy = width_policy(drafter.block_size, cost, remembered.get(tree_widths), tree_widths)
+    _remember(_POLICIES, drafter, {**remembered, tree_widths: policy})
     return policy
 
 

@@ -20,6 +20,8 @@ from mlx_glimmer.block_policy import (
     width_policy,
 )
 from mlx_glimmer.cli import main
+from mlx_glimmer.generate import auto_policy
+from mlx_glimmer.settings import GenerationSettings
 
 PROMPT = [256] + list(b"Once upon a time, in a land far away")
 
@@ -92,18 +94,66 @@ def test_width_one_wins_when_verify_cost_grows_steeply():
     assert np.mean([w == 1 for w in widths[100:]]) > 0.9
 
 
+def test_rounds_verify_only_the_widths_the_cost_table_measured():
+    # A sawtooth as a kernel that tiles rows by 8 draws it: width 12 dearer than 16, which the table cannot
+    # know from widths 8 and 16, so a round that would like 12 verifies 16 (more drafts, less time).
+    sawtooth = {w: 1.0 + 0.02 * (w - 1) + 0.03 * (w % 8) for w in range(1, 33)}
+    cost = VerifyCost(32)
+    cost.seconds[0] = [sawtooth[w] if w in MEASURED_WIDTHS else None for w in range(1, 33)]
+    assert cost.widths() == list(MEASURED_WIDTHS)
+    policy = width_policy(16, cost, tree_widths=TREE_WIDTHS)
+    offered = policy.shapes(found=20)
+    assert [s.width for s in offered if not s.tree and not s.lookup] == [w for w in MEASURED_WIDTHS if w <= 16]
+    assert [s.width for s in offered if s.lookup] == [w for w in MEASURED_WIDTHS if 2 <= w <= 21]
+    chains = width_policy(16, cost)
+    widths = run(chains, accept_prob=0.9, rounds=300)
+    assert set(widths) <= set(MEASURED_WIDTHS) and max(widths) == 16
+    # a table from nowhere (nothing measured) offers every width
+    assert VerifyCost(4).widths() == [1, 2, 3, 4]
+
+
+def test_a_generation_with_trees_off_leaves_what_trees_on_learnt(muse_pair):
+    trees_on = GenerationSettings(max_tokens=12)
+    learnt = auto_policy(muse_pair, muse_pair.drafter, trees_on)
+    for _ in range(3):
+        learnt.lookup.model(4).observe(5, 5)
+        learnt.trees.observe(8, 6)
+    mlx_glimmer.generate(muse_pair, PROMPT, GenerationSettings(max_tokens=12, tree="off"))
+    again = auto_policy(muse_pair, muse_pair.drafter, trees_on)
+    assert again.lookup.model(4).rates() == pytest.approx(learnt.lookup.model(4).rates())
+    assert again.trees.expected(8, prior=1.0) == pytest.approx(learnt.trees.expected(8, prior=1.0))
+    assert again.cost is learnt.cost  # the widest-32 table, with what its rounds refined, is not read afresh
+    chains = auto_policy(muse_pair, muse_pair.drafter, GenerationSettings(tree="off"))
+    assert chains.trees is None and chains.lookup is None
+
+
+def test_a_new_generation_starts_from_what_the_last_one_kept_and_follows_its_own_text_sooner():
+    first = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    for _ in range(40):  # the last answer went on as its context did, 4-gram matches whole
+        first.observe_round(Shape(32, lookup=True), 31, 100, 1.6, lookup_ngram=4)
+        first.observe_round(Shape(1), 0, 100, 1.0)
+    second = width_policy(16, first.cost, first, TREE_WIDTHS)
+    assert min(second.lookup.model(4).rates()) > 0.8  # a start: still trusted
+    for _ in range(3):  # this answer does not
+        first.observe_round(Shape(32, lookup=True), 0, 100, 1.6, lookup_ngram=4)
+        second.observe_round(Shape(32, lookup=True), 0, 100, 1.6, lookup_ngram=4)
+    # three misses outweigh what the last answer taught, in the new generation only
+    assert second.lookup.model(4).rates()[0] < 0.65 < first.lookup.model(4).rates()[0]
+
+
 def test_cost_bands_and_measurement(muse_pair):
     assert [band_of(c) for c in (0, 511, 512, 5000, 10**6)] == [0, 0, 1, 2, 3]
-    cost = measure_verify_cost(muse_pair.target, 4, muse_pair.target.vocab_size, contexts=(8,), repeats=1)
+    cost = measure_verify_cost(muse_pair.target, 8, muse_pair.target.vocab_size, contexts=(8,), repeats=1)
     row = cost.seconds[0]
     # MEASURED_WIDTHS below max_width, and max_width itself; the widths between are interpolated
-    assert [w for w in range(1, 5) if row[w - 1] is not None] == [w for w in MEASURED_WIDTHS if w < 4] + [4]
+    assert cost.widths() == [w for w in MEASURED_WIDTHS if w < 8] + [8]
+    assert [w for w in range(1, 9) if row[w - 1] is not None] == cost.widths()
     assert all(s > 0 for s in row if s is not None)
-    assert cost.estimate(3, 8) > 0 and cost._raw(3, 8) == pytest.approx((row[1] + row[3]) / 2)
-    assert all(r == [None] * 4 for r in cost.seconds[1:])  # one context measured
-    assert cost.estimate(3, 3000) > 0  # an unmeasured band borrows the nearest measured one
+    assert cost.estimate(6, 8) > 0 and cost._raw(6, 8) == pytest.approx((row[3] + row[7]) / 2)
+    assert all(r == [None] * 8 for r in cost.seconds[1:])  # one context measured
+    assert cost.estimate(6, 3000) > 0  # an unmeasured band borrows the nearest measured one
     default = measure_verify_cost(muse_pair.target, 6, muse_pair.target.vocab_size, repeats=0)
-    assert [w for w in range(1, 7) if default.seconds[0][w - 1] is not None] == [1, 2, 4, 6]
+    assert default.widths() == [1, 2, 3, 4, 6]
     assert all(r == [None] * 6 for r in default.seconds[1:])  # the default measures one short context only
 
 
