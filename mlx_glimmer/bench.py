@@ -28,11 +28,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .block_policy import chip_name, describe
+from .block_policy import describe
 from .errors import GlimmerError
 from .flags import add_drafter_flags, nonnegative_int, positive_int, tree_arg
 from .paths import DATA_DIR
 from .settings import AUTO, OFF, GenerationSettings
+from .verify_cost import chip_name
 
 
 @dataclass
@@ -199,7 +200,7 @@ def run_bench(
     with_lookup: bool = False,
     log=None,
 ) -> dict:
-    from .generate import encode_prompt
+    from .generate import encode_prompt, verify_costs
 
     log = log or sys.stderr
     if pair.drafter is None and block_sizes:
@@ -247,6 +248,8 @@ def run_bench(
         "prompts": len(encoded),
         "repeats": repeats,
         "trees": list(trees),
+        # seconds per context band and width (null: never measured there), after the run's rounds refined them
+        "verify_cost": {str(w): cost.to_dict() for w, cost in sorted(verify_costs(pair).items())},
         "results": {
             m: {
                 **asdict(r),

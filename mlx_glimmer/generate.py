@@ -33,15 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
-from .block_policy import (
-    TREE_WIDTHS,
-    VerifyCost,
-    WidthPolicy,
-    cached_verify_cost,
-    calibration_key,
-    describe,
-    width_policy,
-)
+from .block_policy import TREE_WIDTHS, WidthPolicy, describe, width_policy
 from .chat_template import has_chat_template
 from .decode_state import DecodeState
 from .drafters.base import Drafter
@@ -52,6 +44,7 @@ from .paths import cache_dir
 from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, GenerationSettings, SamplingError
 from .speculative import generate_steps, tree_setting
 from .target_model import TargetModel
+from .verify_cost import VerifyCost, cached_verify_cost, calibration_key
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -345,6 +338,12 @@ def _verify_cost(pair: GenerationPair, width: int, on_measure: Callable[[str], N
         )
         _remember(_COSTS, pair.target, {**costs, width: cost})
     return cost
+
+
+def verify_costs(pair: GenerationPair) -> dict[int, VerifyCost]:
+    """The verify-cost tables this pair's `auto` generations have used, per widest width, as their rounds left
+    them (a results file records what its run's choices rested on)."""
+    return dict(_recall(_COSTS, pair.target) or {})
 
 
 def calibrate(

@@ -208,7 +208,7 @@ def test_block_size_cap_in_the_api_and_its_stats(muse_pair):
 
 
 def test_prompt_lookup_width_calibration_is_bounded_and_counted_in_ttft(checkpoints, monkeypatch):
-    from mlx_glimmer.block_policy import BANDS, VerifyCost
+    from mlx_glimmer.verify_cost import BANDS, VerifyCost
 
     generate_module = importlib.import_module("mlx_glimmer.generate")
     widths = []

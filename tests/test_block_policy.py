@@ -8,20 +8,11 @@ import pytest
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
-from mlx_glimmer.block_policy import (
-    MEASURED_WIDTHS,
-    TREE_WIDTHS,
-    AcceptanceModel,
-    Shape,
-    VerifyCost,
-    WidthPolicy,
-    band_of,
-    measure_verify_cost,
-    width_policy,
-)
+from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, Shape, WidthPolicy, width_policy
 from mlx_glimmer.cli import main
 from mlx_glimmer.generate import auto_policy
 from mlx_glimmer.settings import GenerationSettings
+from mlx_glimmer.verify_cost import MEASURED_WIDTHS, VerifyCost, band_of, measure_verify_cost
 
 PROMPT = [256] + list(b"Once upon a time, in a land far away")
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from oracle_drafter import AlwaysPlain, OracleDrafter
 
-from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, VerifyCost, WidthPolicy, width_policy
+from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, WidthPolicy, width_policy
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.verify_cost import VerifyCost
 
 PROMPT = [256] + list(b"Once upon a time")
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)

@@ -182,7 +182,8 @@ def test_speculative_samples_match_target_distribution(small_vocab_pair, params)
 
 def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
     """Widths chosen per round from past rounds (block size auto) leave each token's distribution exact."""
-    from mlx_glimmer.block_policy import AcceptanceModel, VerifyCost, WidthPolicy
+    from mlx_glimmer.block_policy import AcceptanceModel, WidthPolicy
+    from mlx_glimmer.verify_cost import VerifyCost
 
     target, params = small_vocab_pair.target, SETTINGS[0]
     p1, p2, p3 = exact_marginals(target, params)

@@ -23,13 +23,14 @@ from scipy.stats import chisquare
 
 import mlx_glimmer
 from mlx_glimmer import tree as mlx_tree
-from mlx_glimmer.block_policy import TREE_WIDTHS, VerifyCost, width_policy
+from mlx_glimmer.block_policy import TREE_WIDTHS, width_policy
 from mlx_glimmer.cache import WindowedKVCache
 from mlx_glimmer.drafters.base import Drafter, Marginals
 from mlx_glimmer.generate import encode_prompt
 from mlx_glimmer.sampling import probabilities
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.verify_cost import VerifyCost
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several windows of 8
 N_TOKENS = 150  # the prompt and these run over 20 windows of 8

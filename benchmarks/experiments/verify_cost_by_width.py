@@ -4,7 +4,7 @@
         [--out benchmarks/experiments/results/verify_cost_by_width.json]
 
 Times the target call of each width (forward, head and the argmax read back) after each context length, the way
-`block_policy.measure_verify_cost` times its few widths: the best of `--repeats` runs after one warm-up, on a
+`verify_cost.measure_verify_cost` times its few widths: the best of `--repeats` runs after one warm-up, on a
 cache of its own. Also reports, per context, the widths that cost more than a wider one. Why a round verifies
 only widths the cost table measured (`VerifyCost.widths`): where a matrix kernel tiles rows, the cost between two
 measured widths is not the line between them.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from mlx_glimmer.bench import environment, home_relative
 from mlx_glimmer.blas import ensure_fast_blas
-from mlx_glimmer.block_policy import MEASURED_WIDTHS, measure_verify_cost
 from mlx_glimmer.loading import load
 from mlx_glimmer.paths import cache_dir
+from mlx_glimmer.verify_cost import MEASURED_WIDTHS, measure_verify_cost
 
 WIDEST = 32
 
