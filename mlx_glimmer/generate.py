@@ -300,8 +300,9 @@ def widest_width(drafter: Drafter) -> int:
     return drafter.block_size
 
 
-# Per target: its measured verify cost; per drafter: the policy of its last generation (acceptance carries
-# over). Keyed by id with a weak reference to the owner (targets are unhashable dataclasses).
+# Per target: its measured verify-cost tables; per drafter: the policy of its last generation with each set of
+# tree budgets (`auto_policy` starts the next from it). Keyed by id with a weak reference to the owner (targets
+# are unhashable dataclasses).
 _COSTS: dict[int, tuple[weakref.ref, dict[int, VerifyCost]]] = {}  # per target, per widest width
 _POLICIES: dict[int, tuple[weakref.ref, dict[tuple[int, ...], WidthPolicy]]] = {}  # per drafter, per tree budgets
 
