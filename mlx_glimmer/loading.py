@@ -23,6 +23,7 @@ from .blas import check_fast_blas
 from .drafters.base import Drafter
 from .drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
+from .few_rows import FEW_ROWS, on_cpu
 from .files import check_model_dir, check_weight_files, pair_paths
 from .settings import MAX_DRAFT_K, check_draft_k
 from .target import Target
@@ -44,8 +45,9 @@ class Pair:
 
     @property
     def device_key(self) -> str:
-        """MLX computes on its default device, in the weights' own dtype (`generate.GenerationPair`)."""
-        return "default|"
+        """MLX computes on its default device, in the weights' own dtype (`generate.GenerationPair`); on the CPU
+        with few-row products (`few_rows.py`), so tables timed before them are measured again."""
+        return "default|" + (f"|few rows {FEW_ROWS}" if on_cpu() else "")
 
     @property
     def quantization(self) -> str:

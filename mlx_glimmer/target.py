@@ -21,6 +21,7 @@ import numpy as np
 from . import sampling as mlx_sampling
 from . import tree as mlx_tree
 from .cache import TreeCacheView, keep_positions, make_rollback_cache, trim_cache
+from .few_rows import row_product, use_few_row_products
 from .memory import DeviceMemory
 
 
@@ -174,7 +175,7 @@ def row_projection(layer: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.a
             h, w, scales, biases, transpose=True, group_size=group_size, bits=bits, **mode
         )
     rows = layer.weight[ids]
-    return lambda h: h @ rows.T
+    return lambda h: row_product(h, rows)
 
 
 @dataclass
@@ -195,6 +196,7 @@ class Target:
         self.recorder = FeatureRecorder(())
         self.head = make_head(self.model)
         accept_token_positions(self.model)
+        use_few_row_products(self.model)
 
     @property
     def args(self):

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..few_rows import use_few_row_products
 from ..sampling import pick
 from .base import Drafter, Marginals
 from .config import DrafterConfig
@@ -49,6 +50,7 @@ class BlockDrafter(Drafter):
     def __init__(self, model, target):
         if target is not None:  # a DSpark head with its own embedding and head drafts without one
             bind_dtype(model, target.activation_dtype)
+        use_few_row_products(model)
         self._bind(model, model.config, target, model.get("draft_vocab"))
         self.context: list[ContextCache] = []
         self._pending: list[mx.array] = []
