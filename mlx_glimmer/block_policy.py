@@ -156,28 +156,74 @@ class TreeAcceptance:
 class LookupAcceptance:
     """The n-gram lookup's per-position acceptance (`AcceptanceModel`), learnt apart for each length of the n-gram
     it matched: a 4-gram match goes on as the context did far more often than a 2-gram one, so one model for all
-    would offer long chains after weak matches and short ones after strong matches (docs/design.md)."""
+    would offer long chains after weak matches and short ones after strong matches (docs/design.md).
+
+    Past the first draft, a position is judged only in rounds that kept every draft before it, so after a
+    passage copied whole its high rates outlive the passage: on a list whose format repeats but whose entries
+    are new, each round misses at its first or second draft and the deep positions are seldom judged again.
+    Each length therefore also keeps, over recent rounds, the drafts kept past the first against what its model
+    expected there when the round was chosen; that ratio (at most 1, shrunk toward 1) scales the expectation
+    past the first draft (`expected_all`)."""
 
     size: int  # drafts per round at most
     ngrams: tuple[int, ...] = (1, 2, 3, 4)  # the match lengths the lookup finds
     models: dict[int, AcceptanceModel] = field(default_factory=dict)
+    kept_deep: dict[int, float] = field(default_factory=dict)  # drafts kept past the first, decayed
+    expected_deep: dict[int, float] = field(default_factory=dict)  # what the model expected there, decayed
+    decay: float = 0.9  # twice as forgetful as the drafter's: how far a match goes on changes with the passage
+    prior_weight: float = 2.0  # in drafts: the calibration's pull toward 1
+    calibration_decay: float = 0.5  # a few rounds: it catches the passage changing, which the models are slow to
 
     def __post_init__(self):
-        # Twice as forgetful as the drafter's model: how far a match goes on changes with the passage being
-        # copied (a list's fixed format, then its new entries), not only with the drafter's skill.
-        self.models = self.models or {n: AcceptanceModel(self.size, decay=0.9) for n in self.ngrams}
+        self.models = self.models or {n: AcceptanceModel(self.size, decay=self.decay) for n in self.ngrams}
+        self.kept_deep = self.kept_deep or {n: 0.0 for n in self.ngrams}
+        self.expected_deep = self.expected_deep or {n: 0.0 for n in self.ngrams}
+
+    def length(self, ngram: int) -> int:
+        """The match length `ngram` is learnt under (clamped to the lengths kept apart)."""
+        return min(max(ngram, self.ngrams[0]), self.ngrams[-1])
 
     def model(self, ngram: int) -> AcceptanceModel:
-        """The model for a match of `ngram` tokens (clamped to the lengths kept apart)."""
-        return self.models[min(max(ngram, self.ngrams[0]), self.ngrams[-1])]
+        """The per-position model for a match of `ngram` tokens."""
+        return self.models[self.length(ngram)]
+
+    def observe(self, ngram: int, drafted: int, accepted: int) -> None:
+        """A round offered `drafted` drafts of a continuation matched on `ngram` tokens and kept the first
+        `accepted`."""
+        n = self.length(ngram)
+        model = self.models[n]
+        expected = model.expected_tokens(drafted + 1) - 1.0 - (model.rates()[0] if drafted else 0.0)
+        self.kept_deep[n] = self.calibration_decay * self.kept_deep[n] + max(accepted - 1, 0)
+        self.expected_deep[n] = self.calibration_decay * self.expected_deep[n] + expected
+        model.observe(drafted, accepted)
+
+    def calibration(self, ngram: int) -> float:
+        """Drafts kept past the first over what was expected there, in recent rounds: at most 1."""
+        n = self.length(ngram)
+        return min(1.0, (self.kept_deep[n] + self.prior_weight) / (self.expected_deep[n] + self.prior_weight))
+
+    def expected_all(self, ngram: int, width: int) -> list[float]:
+        """Expected committed tokens of a lookup chain of w = 1..width after a match of `ngram` tokens."""
+        model = self.model(ngram)
+        first, scale = model.rates()[0] if width > 1 else 0.0, self.calibration(ngram)
+        return [
+            e if w <= 2 else 1.0 + first + (e - 1.0 - first) * scale for w, e in enumerate(model.expected_all(width), 1)
+        ]
 
     def seen(self) -> float:
         """Recent rounds that judged a lookup draft, over every match length (decayed)."""
         return sum(m.offered[0] for m in self.models.values())
 
     def carried(self, rounds: float = CARRIED_ROUNDS) -> "LookupAcceptance":
-        """As the next generation starts from it (`AcceptanceModel.carried`, per match length)."""
-        return replace(self, models={n: m.carried(rounds) for n, m in self.models.items()})
+        """As the next generation starts from it (`AcceptanceModel.carried`, per match length; the calibration
+        scaled alike)."""
+        scales = {n: min(1.0, rounds / m.offered[0]) if m.offered[0] > 0 else 1.0 for n, m in self.models.items()}
+        return replace(
+            self,
+            models={n: m.carried(rounds) for n, m in self.models.items()},
+            kept_deep={n: k * scales[n] for n, k in self.kept_deep.items()},
+            expected_deep={n: e * scales[n] for n, e in self.expected_deep.items()},
+        )
 
 
 @dataclass
@@ -258,7 +304,7 @@ class WidthPolicy:
 
     def _expected(self, shape: Shape, chain: list[float], ngram: int = 0) -> float:
         if shape.lookup:
-            return self.lookup.model(ngram).expected_tokens(shape.width)
+            return self.lookup.expected_all(ngram, shape.width)[-1]
         if not shape.tree:
             return chain[shape.width - 1]
         prior = 1.0 + (chain[min(shape.width, self.max_width) - 1] - 1.0) * TREE_PRIOR_GAIN
@@ -291,7 +337,7 @@ class WidthPolicy:
             return False
         costs = self.cost.estimates(context)
         found = [s for s in self.shapes(self.lookup.size) if s.lookup]
-        expected = [m.expected_all(self.lookup.size + 1) for m in self.lookup.models.values()]
+        expected = [self.lookup.expected_all(n, self.lookup.size + 1) for n in self.lookup.ngrams]
         best = max(e[s.width - 1] / max(self._seconds(s, costs, context), 1e-9) for s in found for e in expected)
         return best > 1.0 / max(self._seconds(Shape(1), costs, context), 1e-9)
 
@@ -370,9 +416,9 @@ class WidthPolicy:
         if shape.tree:
             self.trees.observe(shape.width, accepted + 1)
             if self.lookup is not None and lookup_offered:  # the tree's lookup branch: a lookup chain's evidence
-                self.lookup.model(lookup_ngram).observe(lookup_offered, lookup_kept)
+                self.lookup.observe(lookup_ngram, lookup_offered, lookup_kept)
         elif shape.lookup:
-            self.lookup.model(lookup_ngram).observe(shape.width - 1, accepted)
+            self.lookup.observe(lookup_ngram, shape.width - 1, accepted)
         elif shape.width > 1:
             self.acceptance.observe(shape.width - 1, accepted)
         if timed:

@@ -107,7 +107,7 @@ def test_a_generation_with_trees_off_leaves_what_trees_on_learnt(muse_pair):
     trees_on = GenerationSettings(max_tokens=12)
     learnt = auto_policy(muse_pair, muse_pair.drafter, trees_on)
     for _ in range(3):
-        learnt.lookup.model(4).observe(5, 5)
+        learnt.lookup.observe(4, 5, 5)
         learnt.trees.observe(8, 6)
     mlx_glimmer.generate(muse_pair, PROMPT, GenerationSettings(max_tokens=12, tree="off"))
     again = auto_policy(muse_pair, muse_pair.drafter, trees_on)
@@ -130,6 +130,28 @@ def test_a_new_generation_starts_from_what_the_last_one_kept_and_follows_its_own
         second.observe_round(Shape(32, lookup=True), 0, 100, 1.6, lookup_ngram=4)
     # three misses outweigh what the last answer taught, in the new generation only
     assert second.lookup.model(4).rates()[0] < 0.65 < first.lookup.model(4).rates()[0]
+
+
+def test_long_lookup_bets_that_miss_past_their_first_draft_stop_being_made():
+    """The last answer copied whole passages on 4-gram matches; this one continues a list whose format repeats
+    and whose entries are new: each 31-draft continuation keeps its first draft at most. Its deep positions are
+    judged only where the first draft was kept, so their rates still say "copy"; what those rounds kept past
+    the first draft, against what was expected there, ends the long bets within three rounds."""
+    first = width_policy(16, linear_cost(32, per_token=0.05), tree_widths=TREE_WIDTHS)
+    for _ in range(40):
+        first.observe_round(Shape(32, lookup=True), 31, 100, 2.55, lookup_ngram=4)
+        first.observe_round(Shape(1), 0, 100, 1.0)
+    second = width_policy(16, first.cost, first, TREE_WIDTHS)
+    chosen = []
+    for i in range(6):
+        shape = second.choose(100, 31, 4)
+        chosen.append(shape)
+        kept = i % 2 if shape.lookup else 0  # the first draft half the time, never the second
+        second.observe_round(shape, kept, 100, second.cost.estimate(shape.width, 100), lookup_ngram=4)
+    assert chosen[0] == Shape(32, lookup=True)  # the last answer's start
+    assert all(s.width < 32 for s in chosen[3:]), chosen
+    assert second.lookup.model(4).expected_tokens(32) > 10  # the per-position model alone would go on betting
+    assert second.lookup.calibration(2) == 1.0  # a 2-gram match's, never tried, is left as it was
 
 
 def test_cost_bands_and_measurement(muse_pair):
