@@ -91,8 +91,12 @@ class AcceptanceModel:
     def carried(self, rounds: float = CARRIED_ROUNDS) -> "AcceptanceModel":
         """This model as the next generation starts from it: the same evidence, scaled (every position alike)
         to at most `rounds` rounds at position 0, so its rates lean further toward their priors."""
-        scale = min(1.0, rounds / self.offered[0]) if self.offered[0] > 0 else 1.0
+        scale = self.carried_scale(rounds)
         return replace(self, kept=[k * scale for k in self.kept], offered=[o * scale for o in self.offered])
+
+    def carried_scale(self, rounds: float = CARRIED_ROUNDS) -> float:
+        """The factor `carried` scales the evidence by: at most `rounds` rounds at position 0."""
+        return min(1.0, rounds / self.offered[0]) if self.offered[0] > 0 else 1.0
 
     def rates(self) -> list[float]:
         """Position 0 shrinks toward 1/2; every later position toward the rate of the one before it, so a
@@ -192,7 +196,8 @@ class LookupAcceptance:
         `accepted`."""
         n = self.length(ngram)
         model = self.models[n]
-        expected = model.expected_tokens(drafted + 1) - 1.0 - (model.rates()[0] if drafted else 0.0)
+        tokens = model.expected_all(drafted + 1)
+        expected = tokens[-1] - tokens[min(drafted, 1)]  # past the first draft
         self.kept_deep[n] = self.calibration_decay * self.kept_deep[n] + max(accepted - 1, 0)
         self.expected_deep[n] = self.calibration_decay * self.expected_deep[n] + expected
         model.observe(drafted, accepted)
@@ -204,11 +209,8 @@ class LookupAcceptance:
 
     def expected_all(self, ngram: int, width: int) -> list[float]:
         """Expected committed tokens of a lookup chain of w = 1..width after a match of `ngram` tokens."""
-        model = self.model(ngram)
-        first, scale = model.rates()[0] if width > 1 else 0.0, self.calibration(ngram)
-        return [
-            e if w <= 2 else 1.0 + first + (e - 1.0 - first) * scale for w, e in enumerate(model.expected_all(width), 1)
-        ]
+        tokens, scale = self.model(ngram).expected_all(width), self.calibration(ngram)
+        return [e if w <= 2 else tokens[1] + (e - tokens[1]) * scale for w, e in enumerate(tokens, 1)]
 
     def seen(self) -> float:
         """Recent rounds that judged a lookup draft, over every match length (decayed)."""
@@ -217,7 +219,7 @@ class LookupAcceptance:
     def carried(self, rounds: float = CARRIED_ROUNDS) -> "LookupAcceptance":
         """As the next generation starts from it (`AcceptanceModel.carried`, per match length; the calibration
         scaled alike)."""
-        scales = {n: min(1.0, rounds / m.offered[0]) if m.offered[0] > 0 else 1.0 for n, m in self.models.items()}
+        scales = {n: m.carried_scale(rounds) for n, m in self.models.items()}
         return replace(
             self,
             models={n: m.carried(rounds) for n, m in self.models.items()},
