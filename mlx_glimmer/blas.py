@@ -213,6 +213,17 @@ def sgemm_library() -> str | None:
     return None
 
 
+def blas_name() -> str:
+    """The BLAS this process's matrix products run on, by file name ("libopenblas.so.0"; "reference" for MLX's own
+    bundled one), or "system" off Linux: CPU verify costs change tenfold with it, so their tables are keyed by it."""
+    if not sys.platform.startswith("linux"):
+        return "system"
+    import mlx.core  # noqa: F401  (loads MLX's own libblas, so the lookup sees what MLX sees)
+
+    library = sgemm_library()
+    return os.path.basename(library) if is_fast(library) else "reference"
+
+
 def is_fast(library: str | None) -> bool:
     return library is not None and any(k in os.path.basename(library).lower() for k in ("openblas", "mkl", "blis"))
 

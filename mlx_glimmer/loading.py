@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
-from .blas import check_fast_blas
+from .blas import blas_name, check_fast_blas
 from .drafters.base import Drafter
 from .drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
@@ -46,8 +46,10 @@ class Pair:
     @property
     def device_key(self) -> str:
         """MLX computes on its default device, in the weights' own dtype (`generate.GenerationPair`); on the CPU
-        with few-row products (`few_rows.py`), so tables timed before them are measured again."""
-        return "default|" + (f"|few rows {FEW_ROWS}" if on_cpu() else "")
+        with few-row products (`few_rows.py`), so tables timed before them are measured again, and with the BLAS
+        the process found (`blas.blas_name`): a table timed on the reference BLAS misleads every later choice once
+        OpenBLAS is in."""
+        return "default|" + (f"|few rows {FEW_ROWS}|BLAS {blas_name()}" if on_cpu() else "")
 
     @property
     def quantization(self) -> str:

@@ -139,14 +139,15 @@ def test_no_fast_blas_is_one_warning_line_with_the_fix(monkeypatch, capsys, tmp_
     assert len(err) == 1 and err[0].startswith("warning: ") and "apt-get install libopenblas0-pthread" in err[0]
 
 
-def test_the_blas_never_changes_greedy_tokens(llama_pair, checkpoints, tmp_path):
+def test_the_blas_never_changes_greedy_tokens_but_keys_the_verify_cost_tables(llama_pair, checkpoints, tmp_path):
     """Same tiny pair, plain greedy, reference BLAS versus OpenBLAS: the same token ids; and each run called
-    the BLAS it names (a preload the loader ignores would compare the reference BLAS with itself)."""
+    the BLAS it names (a preload the loader ignores would compare the reference BLAS with itself). Verify costs
+    differ tenfold between the two, so a table timed on one is never read on the other."""
     code = (
         "import json, sys; import mlx_glimmer; from mlx_glimmer.blas import sgemm_library; "
         "pair = mlx_glimmer.load(target=sys.argv[1], drafter=sys.argv[2]); "
         "r = mlx_glimmer.generate(pair, list(range(260, 0, -9))[:24], max_tokens=40, speculative=False); "
-        "print(json.dumps({'tokens': r.token_ids, 'sgemm': sgemm_library()}))"
+        "print(json.dumps({'tokens': r.token_ids, 'sgemm': sgemm_library(), 'key': pair.device_key}))"
     )
     choice = blas.find_openblas(tmp_path / "links")
     assert choice is not None, "the package depends on cmeel-openblas on Linux"
@@ -174,3 +175,4 @@ def test_the_blas_never_changes_greedy_tokens(llama_pair, checkpoints, tmp_path)
     assert os.path.realpath(runs["openblas"]["sgemm"]) == os.path.realpath(choice.library), runs["openblas"]["sgemm"]
     assert not blas.is_fast(runs["reference"]["sgemm"]), runs["reference"]["sgemm"]
     assert runs["reference"]["tokens"] == runs["openblas"]["tokens"] and len(runs["openblas"]["tokens"]) == 40
+    assert "BLAS reference" in runs["reference"]["key"] and "openblas" in runs["openblas"]["key"].lower(), runs
