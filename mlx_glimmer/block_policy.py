@@ -51,6 +51,9 @@ CARRIED_ROUNDS = 4.0
 # An untried tree budget is expected to keep this much more depth than the chain of its width: the ratio of
 # best-first trees to chains at equal width, teacher-forced with the demo drafter (docs/design.md).
 TREE_PRIOR_GAIN = 1.3
+# A tree budget or lookup chain is probed only while it is expected to commit at least this share of the best
+# shape's tokens per second: a probe then gives up at most a quarter of a round's tokens (`WidthPolicy._probe`).
+PROBE_FLOOR = 0.75
 
 
 @dataclass(frozen=True)
@@ -348,14 +351,15 @@ class WidthPolicy:
         on an n-gram of `ngram` tokens."""
         self._interval = self._interval or self.probe_interval
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        ranked = sorted(self.shapes(found), key=lambda s: self._rate(s, chain, costs, context, ngram), reverse=True)
+        rates = {s: self._rate(s, chain, costs, context, ngram) for s in self.shapes(found)}
+        ranked = sorted(rates, key=rates.__getitem__, reverse=True)
         best = ranked[0]
         self._probing = False
         if best.width > 1:
             self._plain_rounds = 0
             self._draft_rounds += 1
             if self._draft_rounds % self.probe_interval == 0:
-                return self._probe(best, ranked)
+                return self._probe(best, ranked, [s for s in ranked if rates[s] >= PROBE_FLOOR * rates[best]])
             return best
         self._plain_rounds += 1
         if self._plain_rounds >= self._interval:
@@ -380,18 +384,22 @@ class WidthPolicy:
         candidates = [chain] + [s for s in tree + lookup if s.width <= self.cost.max_width]
         return min(candidates, key=self._seen)
 
-    def _probe(self, best: Shape, ranked: list[Shape]) -> Shape:
-        """Now and then another shape than the best, to keep its figures measured here and now: the tree
-        budget seen least while trees are offered (every other probe), else the next measured chain width above the
-        best."""
+    def _probe(self, best: Shape, ranked: list[Shape], close: list[Shape]) -> Shape:
+        """Now and then another shape than the best, to keep its figures measured here and now: while trees are
+        offered (every other probe) the tree budget or lookup chain seen least among those `close` to the best
+        (expected rate at least `PROBE_FLOOR` of its: a tree that costs twice a chain for the same tokens would
+        give up a round's worth each time, and its rounds could not change the choice unless its expectation
+        came near); else the next measured chain width above a best chain, or the best chain where a tree or the
+        lookup is best (the trees' prior rests on the chains' acceptance, which only chain rounds measure)."""
         if self.trees is not None and (self._draft_rounds // self.probe_interval) % 2:
-            lookups = [s for s in ranked if s.lookup]
-            others = [s for s in ranked if s.tree] + ([max(lookups, key=lambda s: s.width)] if lookups else [])
-            return min(others, key=self._seen, default=best)
+            lookups = [s for s in close if s.lookup]
+            others = [s for s in close if s.tree] + ([max(lookups, key=lambda s: s.width)] if lookups else [])
+            if others:
+                return min(others, key=self._seen)
+        if best.tree or best.lookup:
+            return next((s for s in ranked if not s.tree and not s.lookup and s.width > 1), best)
         wider = [w for w in self.cost.widths() if best.width < w <= self.max_width]
-        if not best.tree and not best.lookup and wider:
-            return Shape(wider[0])
-        return best
+        return Shape(wider[0]) if wider else best
 
     def observe_round(
         self,

@@ -266,6 +266,23 @@ def test_auto_leaves_trees_that_keep_less_than_chains():
     assert all(s.width > 1 for s in late if not s.tree)
 
 
+def test_trees_far_dearer_than_the_best_chain_for_the_same_tokens_are_not_probed():
+    """Every tree keeps what the chain of its width keeps and takes longer to draft; verify cost grows steeply, so a
+    tree of 32 would commit under half the best chain's tokens per second and is never worth a probe, while a small
+    tree, nearly as good, is still probed now and then. Chains win, though a tree was tried first."""
+    policy = width_policy(16, linear_cost(32, per_token=0.06), tree_widths=TREE_WIDTHS)
+    shapes = []
+    for _ in range(300):
+        shape = policy.choose(100)
+        shapes.append(shape)
+        seconds = policy.cost.estimate(shape.width, 100) + (0.15 if shape.tree else 0.05)
+        policy.observe_round(shape, min(shape.width - 1, 2), 100, seconds=seconds)
+    assert Shape(32, tree=True) not in shapes
+    late = shapes[-100:]
+    assert 3 <= sum(s.tree for s in late) <= 10, late
+    assert all(s.width in (3, 4, 5) for s in late if not s.tree), late
+
+
 def test_auto_with_trees_still_falls_back_to_plain_when_nothing_is_kept():
     policy = width_policy(16, linear_cost(32, per_token=0.06), tree_widths=TREE_WIDTHS)
     shapes = run_shapes(policy, chain_depth=lambda w: 0, tree_depth=lambda w: 0)
