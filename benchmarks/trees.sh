@@ -6,12 +6,14 @@
 #   N=2 TOKENS=16 benchmarks/trees.sh           a smoke run of every step (minutes)
 #   NOTE="what else ran" benchmarks/trees.sh    stored in tree_vs_chain's report
 #   STEPS=2345 benchmarks/trees.sh              only the steps named (default all: 12345)
+#   COPY_REPEATS=1 benchmarks/trees.sh          runs of each copy-heavy prompt (default 2), averaged per prompt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${BUNDLE:-$HOME/.cache/mlx-glimmer/demo}
 N=${N:-75}
 TOKENS=${TOKENS:-128}
 COPY_N=$((N < 20 ? N : 20)) # the copy-heavy file's first 20 prompts: 5 of each kind
+COPY_REPEATS=${COPY_REPEATS:-2}
 NOTE=${NOTE:-}
 STEPS=${STEPS:-12345}
 FULL_N=$((N < 8 ? N : 8)) # bench --full: the first 8 held-out prompts
@@ -27,9 +29,9 @@ mkdir -p benchmarks/results
   --block-sizes auto --trees auto,off --no-baseline --json-out benchmarks/results/trees_bench_full.json
 # 3. copy-heavy prompts: the default against DFlash chains alone (trees off) and prompt lookup alone, all with plain,
 #    interleaved per prompt in one run: default >= 1.6x plain (median), and per prompt within 5% of the better of the
-#    other two
+#    other two. Each prompt runs COPY_REPEATS times (default 2): one run of a prompt moves by 5-10% with the load
 [[ $STEPS == *3* ]] && mlx-glimmer bench "$BUNDLE" --prompts benchmarks/prompts_copy_heavy.jsonl --num-prompts "$COPY_N" --max-tokens "$TOKENS" \
-  --block-sizes auto --trees auto,off --with-lookup --no-baseline --json-out benchmarks/results/trees_copy_heavy.json
+  --repeats "$COPY_REPEATS" --block-sizes auto --trees auto,off --with-lookup --no-baseline --json-out benchmarks/results/trees_copy_heavy.json
 # 4. a drafter that accepts almost nothing (same format, scrambled weights), default settings: >= 0.97x plain
 [[ $STEPS == *4* ]] && python benchmarks/make_scrambled_drafter.py "$BUNDLE/drafter" "$WORK/scrambled"
 [[ $STEPS == *4* ]] && mlx-glimmer bench "$BUNDLE" --drafter "$WORK/scrambled" --num-prompts "$FULL_N" --max-tokens "$TOKENS" --block-sizes auto \

@@ -3,8 +3,8 @@
     python benchmarks/trees_check.py [--dir benchmarks/results]
 
 Prints one line per bar (the figure, the bar, PASS / FAIL / MISSING) and exits 1 if any bar fails or a file is
-missing. Speed-ups are per prompt (method tok/s over plain tok/s on the same prompt, in the same run), then the
-median, as `mlx-glimmer bench` reports them; a bench file with any output mismatch fails its bar.
+missing. Speed-ups are per prompt (method tok/s over plain tok/s on the same prompt, in the same repeat of the
+same run, averaged over repeats), then the median; a bench file with any output mismatch fails its bar.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ def load(path: Path) -> dict | None:
 
 
 def ratios(report: dict, method: str) -> list[float]:
-    res = report["results"]
-    return [m / p if p > 0 else 0.0 for m, p in zip(res[method]["per_prompt_tokens_per_second"],
-                                                     res["plain"]["per_prompt_tokens_per_second"])]  # fmt: skip
+    """Per prompt: method tok/s over plain tok/s in the same repeat, averaged over the repeats (bench lists
+    tok/s per repeat, then per prompt)."""
+    res, n = report["results"], report["prompts"]
+    runs = [m / p if p > 0 else 0.0 for m, p in zip(res[method]["per_prompt_tokens_per_second"],
+                                                    res["plain"]["per_prompt_tokens_per_second"])]  # fmt: skip
+    return [statistics.mean(runs[i::n]) for i in range(n)]
 
 
 def mismatches(report: dict) -> int:
