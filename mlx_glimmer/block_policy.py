@@ -101,22 +101,23 @@ class AcceptanceModel:
         """The factor `carried` scales the evidence by: at most `rounds` rounds at position 0."""
         return min(1.0, rounds / self.offered[0]) if self.offered[0] > 0 else 1.0
 
-    def rates(self) -> list[float]:
+    def rates(self, priors: list[float] | None = None) -> list[float]:
         """Position 0 shrinks toward 1/2; every later position toward the rate of the one before it, so a
-        drafter that keeps everything it offered is expected to keep going (and wider widths get tried)."""
+        drafter that keeps everything it offered is expected to keep going (and wider widths get tried).
+        `priors`: each position shrinks toward its own instead (a broader model's rates)."""
         out, prior = [], 0.5
-        for k, o in zip(self.kept, self.offered):
-            prior = (k + self.prior_weight * prior) / (o + self.prior_weight)
+        for i, (k, o) in enumerate(zip(self.kept, self.offered)):
+            prior = (k + self.prior_weight * (priors[i] if priors else prior)) / (o + self.prior_weight)
             out.append(prior)
         return out
 
     def expected_tokens(self, width: int) -> float:
         return self.expected_all(width)[-1]
 
-    def expected_all(self, width: int) -> list[float]:
-        """`expected_tokens(w)` for w = 1..width, in one pass."""
+    def expected_all(self, width: int, priors: list[float] | None = None) -> list[float]:
+        """`expected_tokens(w)` for w = 1..width, in one pass (`priors` as in `rates`)."""
         out, total, survive = [1.0], 1.0, 1.0
-        for a in self.rates()[: width - 1]:
+        for a in self.rates(priors)[: width - 1]:
             survive *= a
             total += survive
             out.append(total)
@@ -168,6 +169,9 @@ class LookupAcceptance:
     Past the first draft, a position is judged only in rounds that kept every draft before it, so after a
     passage copied whole its high rates outlive the passage: on a list whose format repeats but whose entries
     are new, each round misses at its first or second draft and the deep positions are seldom judged again.
+    A length seldom matched has little evidence of its own: its model shrinks toward the model of every match
+    length pooled (`pooled`), not toward 1/2, so it starts from what the lookup keeps in this text.
+
     Each length therefore also keeps, over recent rounds, the drafts kept past the first against what its model
     expected there when the round was chosen; that ratio (at most 1, shrunk toward 1) scales the expectation
     past the first draft (`expected_all`)."""
@@ -175,6 +179,7 @@ class LookupAcceptance:
     size: int  # drafts per round at most
     ngrams: tuple[int, ...] = (1, 2, 3, 4)  # the match lengths the lookup finds
     models: dict[int, AcceptanceModel] = field(default_factory=dict)
+    pooled: AcceptanceModel | None = None  # every match length's rounds together: each length's prior
     kept_deep: dict[int, float] = field(default_factory=dict)  # drafts kept past the first, decayed
     expected_deep: dict[int, float] = field(default_factory=dict)  # what the model expected there, decayed
     decay: float = 0.9  # twice as forgetful as the drafter's: how far a match goes on changes with the passage
@@ -183,6 +188,7 @@ class LookupAcceptance:
 
     def __post_init__(self):
         self.models = self.models or {n: AcceptanceModel(self.size, decay=self.decay) for n in self.ngrams}
+        self.pooled = self.pooled or AcceptanceModel(self.size, decay=self.decay)
         self.kept_deep = self.kept_deep or {n: 0.0 for n in self.ngrams}
         self.expected_deep = self.expected_deep or {n: 0.0 for n in self.ngrams}
 
@@ -199,11 +205,12 @@ class LookupAcceptance:
         `accepted`."""
         n = self.length(ngram)
         model = self.models[n]
-        tokens = model.expected_all(drafted + 1)
+        tokens = model.expected_all(drafted + 1, self.pooled.rates())
         expected = tokens[-1] - tokens[min(drafted, 1)]  # past the first draft
         self.kept_deep[n] = self.calibration_decay * self.kept_deep[n] + max(accepted - 1, 0)
         self.expected_deep[n] = self.calibration_decay * self.expected_deep[n] + expected
         model.observe(drafted, accepted)
+        self.pooled.observe(drafted, accepted)
 
     def calibration(self, ngram: int) -> float:
         """Drafts kept past the first over what was expected there, in recent rounds: at most 1."""
@@ -212,7 +219,7 @@ class LookupAcceptance:
 
     def expected_all(self, ngram: int, width: int) -> list[float]:
         """Expected committed tokens of a lookup chain of w = 1..width after a match of `ngram` tokens."""
-        tokens, scale = self.model(ngram).expected_all(width), self.calibration(ngram)
+        tokens, scale = self.model(ngram).expected_all(width, self.pooled.rates()), self.calibration(ngram)
         return [e if w <= 2 else tokens[1] + (e - tokens[1]) * scale for w, e in enumerate(tokens, 1)]
 
     def seen(self) -> float:
@@ -226,6 +233,7 @@ class LookupAcceptance:
         return replace(
             self,
             models={n: m.carried(rounds) for n, m in self.models.items()},
+            pooled=self.pooled.carried(rounds),
             kept_deep={n: k * scales[n] for n, k in self.kept_deep.items()},
             expected_deep={n: e * scales[n] for n, e in self.expected_deep.items()},
         )

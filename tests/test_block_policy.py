@@ -8,7 +8,14 @@ import pytest
 from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
-from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, Shape, WidthPolicy, width_policy
+from mlx_glimmer.block_policy import (
+    TREE_WIDTHS,
+    AcceptanceModel,
+    LookupAcceptance,
+    Shape,
+    WidthPolicy,
+    width_policy,
+)
 from mlx_glimmer.cli import main
 from mlx_glimmer.generate import auto_policy
 from mlx_glimmer.settings import GenerationSettings
@@ -350,3 +357,15 @@ def test_a_long_ngram_match_is_trusted_apart_from_a_short_one():
     assert sum(s.lookup and s.width == 13 for s in strong) >= 80, strong
     assert sum(s.lookup for s in weak) <= 20, weak  # probes only
     assert policy.lookup.model(4).rates()[0] > 0.9 > 0.5 > policy.lookup.model(2).rates()[0]
+
+
+def test_a_match_length_seldom_seen_starts_from_what_the_lookup_keeps_at_the_others():
+    """In a passage copied whole, 4-gram matches keep all 7 drafts round after round; the first 2-gram match is
+    expected to go on far past the 1/2-per-draft a lookup knows nothing of, and its own misses still count."""
+    lookup = LookupAcceptance(15)
+    for _ in range(12):
+        lookup.observe(4, 7, 7)
+    assert lookup.expected_all(2, 8)[-1] > 5.0 > AcceptanceModel(15).expected_tokens(8)
+    for _ in range(6):
+        lookup.observe(2, 7, 0)
+    assert lookup.expected_all(2, 8)[-1] < 2.0 < 5.0 < lookup.expected_all(4, 8)[-1]
