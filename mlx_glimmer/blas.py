@@ -29,6 +29,7 @@ macOS is untouched (Metal). `MLX_GLIMMER_BLAS=reference` turns all of this off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import json
@@ -213,6 +214,7 @@ def sgemm_library() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def blas_name() -> str:
     """The BLAS this process's matrix products run on, by file name ("libopenblas.so.0"; "reference" for MLX's own
     bundled one), or "system" off Linux: CPU verify costs change tenfold with it, so their tables are keyed by it."""

@@ -169,12 +169,12 @@ class LookupAcceptance:
     Past the first draft, a position is judged only in rounds that kept every draft before it, so after a
     passage copied whole its high rates outlive the passage: on a list whose format repeats but whose entries
     are new, each round misses at its first or second draft and the deep positions are seldom judged again.
-    A length seldom matched has little evidence of its own: its model shrinks toward the model of every match
-    length pooled (`pooled`), not toward 1/2, so it starts from what the lookup keeps in this text.
-
     Each length therefore also keeps, over recent rounds, the drafts kept past the first against what its model
     expected there when the round was chosen; that ratio (at most 1, shrunk toward 1) scales the expectation
-    past the first draft (`expected_all`)."""
+    past the first draft (`expected_all`).
+
+    A length seldom matched has little evidence of its own: its model shrinks toward the model of every match
+    length pooled (`pooled`), not toward 1/2, so it starts from what the lookup keeps in this text."""
 
     size: int  # drafts per round at most
     ngrams: tuple[int, ...] = (1, 2, 3, 4)  # the match lengths the lookup finds
