@@ -219,7 +219,15 @@ class LookupAcceptance:
 
     def expected_all(self, ngram: int, width: int) -> list[float]:
         """Expected committed tokens of a lookup chain of w = 1..width after a match of `ngram` tokens."""
-        tokens, scale = self.model(ngram).expected_all(width, self.pooled.rates()), self.calibration(ngram)
+        return self._expected_all(ngram, width, self.pooled.rates())
+
+    def expected_each(self, width: int) -> list[list[float]]:
+        """`expected_all` after a match of each length in `ngrams`, the pooled prior computed once."""
+        priors = self.pooled.rates()
+        return [self._expected_all(n, width, priors) for n in self.ngrams]
+
+    def _expected_all(self, ngram: int, width: int, priors: list[float]) -> list[float]:
+        tokens, scale = self.model(ngram).expected_all(width, priors), self.calibration(ngram)
         return [e if w <= 2 else tokens[1] + (e - tokens[1]) * scale for w, e in enumerate(tokens, 1)]
 
     def seen(self) -> float:
@@ -350,7 +358,7 @@ class WidthPolicy:
             return False
         costs = self.cost.estimates(context)
         found = [s for s in self.shapes(self.lookup.size) if s.lookup]
-        expected = [self.lookup.expected_all(n, self.lookup.size + 1) for n in self.lookup.ngrams]
+        expected = self.lookup.expected_each(self.lookup.size + 1)
         best = max(e[s.width - 1] / max(self._seconds(s, costs, context), 1e-9) for s in found for e in expected)
         return best > 1.0 / max(self._seconds(Shape(1), costs, context), 1e-9)
 
