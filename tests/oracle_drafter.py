@@ -46,7 +46,8 @@ class OracleDrafter(Drafter):
 class TreeOracle(Drafter):
     """Knows the target's greedy continuation: its per-position marginals put the most mass on the right token
     and the second most on a wrong one, except at `wrong` indices, where a wrong token comes first and the right
-    one second, so the accepted path must take a side branch there."""
+    one second, so the accepted path must take a side branch there. Its chain is its marginals' first choices,
+    as a block drafter's greedy chain is, so a chain stops at every `wrong` index."""
 
     kind = "tree-oracle"
     block_size = 16
@@ -68,19 +69,22 @@ class TreeOracle(Drafter):
 
     def propose(self, anchor, count, params, key):
         start = self.observed - self.prompt_len + 1
-        return mx.array([self.right(i) for i in range(start, start + count)], dtype=mx.uint32), None
+        return mx.array([self.first(i) for i in range(start, start + count)], dtype=mx.uint32), None
 
     def right(self, i: int) -> int:
         return self.continuation[i] if i < len(self.continuation) else 0
+
+    def first(self, i: int) -> int:
+        """Its first choice at generated index `i`."""
+        return (self.right(i) + 1) % self.vocab if i in self.wrong else self.right(i)
 
     def logits(self, count: int) -> np.ndarray:
         """[count, vocab]: the next `count` draft positions' logits, the first choice at 10, the second at 9.5."""
         start = self.observed - self.prompt_len + 1  # generated index of the first draft position
         logits = np.zeros((count, self.vocab), np.float32)
         for row, i in enumerate(range(start, start + count)):
-            right = self.right(i)
-            first, second = ((right + 1) % self.vocab, right) if i in self.wrong else (right, (right + 2) % self.vocab)
-            logits[row, first], logits[row, second] = 10.0, 9.5
+            right, first = self.right(i), self.first(i)
+            logits[row, first], logits[row, right if i in self.wrong else (right + 2) % self.vocab] = 10.0, 9.5
         return logits
 
     def marginals(self, anchor, count):
