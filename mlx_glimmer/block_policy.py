@@ -401,21 +401,34 @@ class WidthPolicy:
         return min(candidates, key=self._seen)
 
     def _probe(self, best: Shape, ranked: list[Shape], close: list[Shape]) -> Shape:
-        """Now and then another shape than the best, to keep its figures measured here and now: while trees are
-        offered (every other probe) the tree budget or lookup chain seen least among those `close` to the best
-        (expected rate at least `PROBE_FLOOR` of its: a tree that costs twice a chain for the same tokens would
-        give up a round's worth each time, and its rounds could not change the choice unless its expectation
-        came near); else the next measured chain width above a best chain, or the best chain where a tree or the
-        lookup is best (the trees' prior rests on the chains' acceptance, which only chain rounds measure)."""
+        """Now and then another shape than the best, to keep its figures measured here and now, chosen among
+        those `close` to the best only (expected rate at least `PROBE_FLOOR` of its: a shape that commits half
+        the best's tokens per second gives up half a round each time, and its rounds could not change the
+        choice unless its expectation came near). While trees are offered, every other probe is the tree budget
+        or lookup chain seen least (`_lookup_probe`); else the next measured chain width above a best chain, or
+        the best chain where a tree or the lookup is best (the trees' prior rests on the chains' acceptance,
+        which only chain rounds measure; chains not yet judged are probed close or not). With none, the best
+        itself."""
         if self.trees is not None and (self._draft_rounds // self.probe_interval) % 2:
             lookups = [s for s in close if s.lookup]
-            others = [s for s in close if s.tree] + ([max(lookups, key=lambda s: s.width)] if lookups else [])
+            others = [s for s in close if s.tree] + ([self._lookup_probe(best, lookups)] if lookups else [])
             if others:
                 return min(others, key=self._seen)
         if best.tree or best.lookup:
-            return next((s for s in ranked if not s.tree and not s.lookup and s.width > 1), best)
+            # Chains seldom judged are rated by their prior (every position 1/2) and are probed however far off.
+            unjudged = self.acceptance.offered[0] < self.acceptance.prior_weight
+            chains = [s for s in (ranked if unjudged else close) if not s.tree and not s.lookup and s.width > 1]
+            return chains[0] if chains else best
         wider = [w for w in self.cost.widths() if best.width < w <= self.max_width]
         return Shape(wider[0]) if wider else best
+
+    @staticmethod
+    def _lookup_probe(best: Shape, lookups: list[Shape]) -> Shape:
+        """The lookup chain to probe among `lookups` (close to the best, best rate first): where a lookup chain
+        is best, the next wider one, so its deeper positions get judged a step at a time (a chain of 32 costs
+        twice one of 8 here, and one that stops early gives up most of a round); else the best-rated one."""
+        wider = [s for s in lookups if s.width > best.width] if best.lookup else []
+        return min(wider, key=lambda s: s.width) if wider else lookups[0]
 
     def observe_round(
         self,

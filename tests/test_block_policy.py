@@ -337,6 +337,27 @@ def test_the_lookups_continuation_alone_is_chosen_when_it_is_found_and_kept():
     assert not any(s.lookup for found, s in late if not found)
 
 
+def test_where_the_lookup_is_best_its_wider_chains_are_probed_a_step_up_and_chains_far_behind_not_at_all():
+    """The context's continuation keeps 7 drafts a round and the drafter's chain 1. Once the chains are judged they
+    commit under half the lookup's tokens per second, so probing them gives up half a round for nothing; the
+    lookup's wider chains are probed one measured width above the best, not at the widest, which here costs twice
+    as much for the same 8 tokens."""
+    policy = width_policy(16, linear_cost(32, per_token=0.06), tree_widths=TREE_WIDTHS)
+    shapes = []
+    for _ in range(300):
+        shape = policy.choose(100, 31, ngram=4)
+        shapes.append(shape)
+        depth = 0 if shape.width == 1 else min(shape.width - 1, 7 if shape.lookup else 1)
+        seconds = policy.cost.estimate(shape.width, 100) + (0.0 if shape.lookup else 0.05)
+        offered = shape.width - 1 if shape.lookup else 0
+        policy.observe_round(shape, depth, 100, seconds, lookup_offered=offered, lookup_kept=depth, lookup_ngram=4)
+    assert any(not s.lookup and not s.tree and s.width > 1 for s in shapes), "the chains were judged once"
+    late = shapes[-200:]
+    assert all(s.lookup for s in late), late
+    assert sum(s.width == 8 for s in late) >= 150, late
+    assert all(s.width <= 9 for s in late), late
+
+
 def test_a_long_ngram_match_is_trusted_apart_from_a_short_one():
     """A 4-gram match's continuation is kept whole and a 2-gram match's never: the policy verifies the first
     alone and, after the second, drafts as it would with nothing found."""
