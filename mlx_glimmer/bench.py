@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .blas import blas_name
 from .block_policy import describe
 from .errors import GlimmerError
 from .flags import add_drafter_flags, nonnegative_int, positive_int, tree_arg
@@ -145,6 +146,7 @@ def environment(pair) -> dict:
 
     env = {
         "device": device_name(),
+        "blas": blas_name(),  # matrix products on the CPU: verify costs change tenfold with it
         "os": platform.platform(),
         "python": platform.python_version(),
         "mlx": mx.__version__,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
 # Measured before the first answer, and the only widths a round verifies (`VerifyCost.widths`).
-MEASURED_WIDTHS = (1, 2, 3, 4, 8, 16, 32)
+MEASURED_WIDTHS = (1, 2, 3, 4, 8, 16, 24, 32)
 
 
 def band_of(context: int) -> int:

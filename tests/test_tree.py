@@ -554,7 +554,9 @@ def test_auto_trees_and_widths_equal_plain_greedy(muse_pair, plain):
     for _ in range(2):  # the policy carries over to the drafter's next generation, its shapes timed by then
         agreeing = mlx_glimmer.generate(oracle_pair, PROMPT, max_tokens=N_TOKENS)
         assert agreeing.token_ids == reference.token_ids
-    assert agreeing.stats.tree_rounds > 0 and agreeing.stats.target_forwards < len(reference.token_ids) / 4
+    # Whether trees or chains carry it follows this machine's timings of a tiny model (a tree's drafting costs
+    # about a verify here): the block policy's own tests choose between them; here, the rounds only drafted.
+    assert agreeing.stats.target_forwards < len(reference.token_ids) / 4
 
     # A policy that prefers trees: each round a tree or a chain, as it chooses, and still plain greedy's tokens.
     policy = width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS)
