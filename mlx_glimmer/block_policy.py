@@ -54,6 +54,11 @@ TREE_PRIOR_GAIN = 1.3
 # A tree budget or lookup chain is probed only while it is expected to commit at least this share of the best
 # shape's tokens per second: a probe then gives up at most a quarter of a round's tokens (`WidthPolicy._probe`).
 PROBE_FLOOR = 0.75
+# A lookup chain verifies at most this many times the tokens the last lookup round committed, and at least
+# `LOOKUP_FLOOR_WIDTH` (`WidthPolicy.lookup_cap`): a copied run must be seen going on before a round bets on it
+# going on much longer.
+LOOKUP_GROWTH = 4
+LOOKUP_FLOOR_WIDTH = 8
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,7 @@ class WidthPolicy:
     round_times: RoundTimes = field(default_factory=RoundTimes)  # each drafting shape's own rounds, timed
     _interval: int = 0
     _plain_rounds: int = 0
+    _lookup_run: int | None = None  # tokens the last round's lookup continuation committed (None: none yet)
     _draft_rounds: int = 0
     _probing: bool = False
     _draft_samples: int = 0  # drafting rounds whose time fed `draft_seconds` (observe_round)
@@ -339,8 +345,20 @@ class WidthPolicy:
         trees = [Shape(w, tree=True) for w in self.trees.widths] if self.trees is not None else []
         lookups = []
         if self.lookup is not None:
-            lookups = [Shape(w, lookup=True) for w in grid if 2 <= w <= min(found, self.lookup.size) + 1]
+            widest = min(found, self.lookup.size) + 1
+            lookups = [Shape(w, lookup=True) for w in grid if 2 <= w <= min(widest, self.lookup_cap())]
         return chains + [s for s in trees + lookups if s.width <= self.cost.max_width]
+
+    def lookup_cap(self) -> int:
+        """The widest lookup chain offered now: `LOOKUP_GROWTH` times the tokens the last lookup round committed,
+        at least `LOOKUP_FLOOR_WIDTH` (any width before the generation's first lookup round). After a long copy
+        the lookup's deep positions keep rates near 1 until a round reaches them and fails, so each new match
+        would be verified 24 or 32 tokens wide (two plain steps here, twice a verify of 8); where the copy is
+        broken every few tokens (an edited function, a list with changed fields) such rounds kept 0-3 drafts.
+        Growing 4x a round, a copy that goes on reaches 32 in two rounds."""
+        if self._lookup_run is None:
+            return self.cost.max_width
+        return max(LOOKUP_FLOOR_WIDTH, LOOKUP_GROWTH * self._lookup_run)
 
     def rate(self, shape: Shape, context: int, ngram: int = 0) -> float:
         """Expected committed tokens per second of this shape (a lookup chain: after a match of `ngram` tokens)."""
@@ -456,8 +474,10 @@ class WidthPolicy:
             self.trees.observe(shape.width, accepted + 1)
             if self.lookup is not None and lookup_offered:  # the tree's lookup branch: a lookup chain's evidence
                 self.lookup.observe(lookup_ngram, lookup_offered, lookup_kept)
+                self._lookup_run = lookup_kept + 1
         elif shape.lookup:
             self.lookup.observe(lookup_ngram, shape.width - 1, accepted)
+            self._lookup_run = accepted + 1
         elif shape.width > 1:
             self.acceptance.observe(shape.width - 1, accepted)
         if timed:

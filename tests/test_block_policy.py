@@ -358,6 +358,23 @@ def test_where_the_lookup_is_best_its_wider_chains_are_probed_a_step_up_and_chai
     assert all(s.width <= 9 for s in late), late
 
 
+def test_after_a_broken_copy_the_lookup_verifies_a_short_chain_and_widens_only_as_the_copy_goes_on():
+    """A 27-token copy leaves the lookup's deep positions rated near 1. The next match is verified at most 4x as
+    wide as what the last lookup round committed (at least 8 tokens): after a round that kept 1 draft, 8; after
+    one that kept all 7, up to 32 (every width costs what the line says here, so the widest need not win)."""
+    policy = width_policy(16, linear_cost(32, per_token=0.02), tree_widths=TREE_WIDTHS)
+    for _ in range(3):
+        policy.observe_round(Shape(32, lookup=True), 27, 100, 1.6, lookup_ngram=4)
+    first = policy.choose(100, 31, ngram=4)
+    assert first.lookup and first.width > 16  # the last round committed 28 tokens
+    policy.observe_round(Shape(32, lookup=True), 1, 100, 1.6, lookup_ngram=4)  # the copy breaks
+    assert policy.lookup.expected_all(4, 32)[-1] > 10  # still expected to go on far
+    assert policy.choose(100, 31, ngram=4) == Shape(8, lookup=True)
+    policy.observe_round(Shape(8, lookup=True), 7, 100, 1.14, lookup_ngram=4)
+    again = policy.choose(100, 31, ngram=4)
+    assert again.lookup and again.width > 16
+
+
 def test_a_long_ngram_match_is_trusted_apart_from_a_short_one():
     """A 4-gram match's continuation is kept whole and a 2-gram match's never: the policy verifies the first
     alone and, after the second, drafts as it would with nothing found."""
