@@ -329,9 +329,11 @@ class WidthPolicy:
         draft = (self.tree_draft_seconds if shape.tree else None) or self.draft_seconds or 0.0
         return costs[shape.width - 1] + draft
 
-    def _expected(self, shape: Shape, chain: list[float], ngram: int = 0) -> float:
+    def _expected(self, shape: Shape, chain: list[float], lookup: list[float]) -> float:
+        """Expected committed tokens: `chain` and `lookup` are the drafter's chains' and the lookup's chains'
+        (after this round's match) expectations by width, computed once for every shape weighed."""
         if shape.lookup:
-            return self.lookup.expected_all(ngram, shape.width)[-1]
+            return lookup[shape.width - 1]
         if not shape.tree:
             return chain[shape.width - 1]
         prior = 1.0 + (chain[min(shape.width, self.max_width) - 1] - 1.0) * TREE_PRIOR_GAIN
@@ -363,10 +365,14 @@ class WidthPolicy:
     def rate(self, shape: Shape, context: int, ngram: int = 0) -> float:
         """Expected committed tokens per second of this shape (a lookup chain: after a match of `ngram` tokens)."""
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        return self._rate(shape, chain, costs, context, ngram)
+        return self._rate(shape, chain, self._lookup_expected(ngram, shape.lookup), costs, context)
 
-    def _rate(self, shape: Shape, chain: list[float], costs: list[float], context: int, ngram: int = 0) -> float:
-        return self._expected(shape, chain, ngram) / max(self._seconds(shape, costs, context), 1e-9)
+    def _lookup_expected(self, ngram: int, needed: bool) -> list[float]:
+        """The lookup's chains' expected tokens by width after a match of `ngram` tokens ([] when not `needed`)."""
+        return self.lookup.expected_all(ngram, self.lookup.size + 1) if needed and self.lookup is not None else []
+
+    def _rate(self, shape: Shape, chain: list[float], lookup: list[float], costs: list[float], context: int) -> float:
+        return self._expected(shape, chain, lookup) / max(self._seconds(shape, costs, context), 1e-9)
 
     def lookup_may_pay(self, context: int) -> bool:
         """Whether the lookup's continuation, were it found at full length after the strongest match, would beat
@@ -385,7 +391,8 @@ class WidthPolicy:
         on an n-gram of `ngram` tokens."""
         self._interval = self._interval or self.probe_interval
         chain, costs = self.acceptance.expected_all(self.max_width), self.cost.estimates(context)
-        rates = {s: self._rate(s, chain, costs, context, ngram) for s in self.shapes(found)}
+        lookup = self._lookup_expected(ngram, found > 0)
+        rates = {s: self._rate(s, chain, lookup, costs, context) for s in self.shapes(found)}
         ranked = sorted(rates, key=rates.__getitem__, reverse=True)
         best = ranked[0]
         self._probing = False
