@@ -254,10 +254,11 @@ class LookupAcceptance:
 
 @dataclass
 class RoundTimes:
-    """Seconds of a whole drafting round per context band and shape, as the loop timed them (draft, verify and
-    read together), averaged as `VerifyCost.observe` averages. The verify-cost table plus a drafting residual
-    only predicts a shape never run here: one table timed under other load (or a drafter whose cost grows with
-    the tree it builds) would otherwise mislead every later choice, and a shape's own rounds say what it costs."""
+    """Seconds of a whole round per context band and shape, as the loop timed them (draft, verify and read
+    together), averaged as `VerifyCost.observe` averages. The verify-cost table plus a drafting residual only
+    predicts a shape never run here: one table timed under other load (or a drafter whose cost grows with the
+    tree it builds) would otherwise mislead every later choice, and a shape's own rounds say what it costs.
+    Plain rounds too: the table's plain step is a bare forward, and a round also samples and reads back."""
 
     alpha: float = 0.1
     seconds: dict[tuple[int, Shape], float] = field(default_factory=dict)
@@ -270,8 +271,9 @@ class RoundTimes:
     def observe(self, shape: Shape, context: int, seconds: float, predicted: float | None = None) -> None:
         """The first round of a shape in a band only warms it up (a new shape builds its kernels, as
         `measure_verify_cost`'s first run does) and is not kept; later rounds weigh as much as each other at
-        first, and a round cheaper than the average pulls it at least halfway (load only ever adds time).
-        `predicted`: what the table said this round would take."""
+        first, and a drafting round cheaper than the average pulls it at least halfway (load only ever adds
+        time). Plain rounds are averaged alone: they are queued one ahead, so one is read at once (0 s) and the
+        next carries the time of both. `predicted`: what the table said this round would take."""
         key = (band_of(context), shape)
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
@@ -283,7 +285,7 @@ class RoundTimes:
         if old is None:
             self.seconds[key] = seconds
             return
-        weight = max(self.alpha, 1.0 / (n - 1), 0.5 if seconds < old else 0.0)
+        weight = max(self.alpha, 1.0 / (n - 1), 0.5 if seconds < old and shape.width > 1 else 0.0)
         self.seconds[key] = (1 - weight) * old + weight * seconds
 
 
@@ -304,6 +306,7 @@ class WidthPolicy:
     _lookup_run: int | None = None  # tokens the last round's lookup continuation committed (None: none yet)
     _draft_rounds: int = 0
     _probing: bool = False
+    _chains_judged: bool = False  # whether a chain round ran in this generation (`_stale_chain`)
     _draft_samples: int = 0  # drafting rounds whose time fed `draft_seconds` (observe_round)
     _tree_samples: int = 0
 
@@ -314,12 +317,14 @@ class WidthPolicy:
 
     def _seconds(self, shape: Shape, costs: list[float], context: int) -> float:
         """A round of this shape: its own rounds' time where it ran in this band, else the prediction scaled
-        by how far predictions have been off for the shapes that ran (`RoundTimes.scale`)."""
-        if shape.width == 1:
-            return costs[0]
+        by how far predictions have been off for the shapes that ran (`RoundTimes.scale`). A plain round too,
+        once one ran here, else the table's plain step (`VerifyCost.estimate`: the least over wider widths, so
+        where one token's forward costs more than two tokens', as on this CPU, a bare 2-token forward)."""
         timed = self.round_times.get(shape, context)
         if timed is not None:
             return timed
+        if shape.width == 1:
+            return costs[0]
         return self._predicted(shape, costs) * self.round_times.scale
 
     def _predicted(self, shape: Shape, costs: list[float]) -> float:
@@ -397,10 +402,13 @@ class WidthPolicy:
         best = ranked[0]
         self._probing = False
         if best.width > 1:
-            self._plain_rounds = 0
+            if not best.lookup:  # the lookup's rounds judge nothing of the drafter: plain rounds between them count
+                self._plain_rounds = 0
             self._draft_rounds += 1
             if self._draft_rounds % self.probe_interval == 0:
-                return self._probe(best, ranked, [s for s in ranked if rates[s] >= PROBE_FLOOR * rates[best]])
+                floor = PROBE_FLOOR * rates[best]
+                stale = self._stale_chain(floor, costs, context) if best.tree or best.lookup else None
+                return stale or self._probe(best, ranked, [s for s in ranked if rates[s] >= floor])
             return best
         self._plain_rounds += 1
         if self._plain_rounds >= self._interval:
@@ -408,6 +416,19 @@ class WidthPolicy:
             self._probing = True
             return self._plain_probe(ranked)
         return best
+
+    def _stale_chain(self, floor: float, costs: list[float], context: int) -> Shape | None:
+        """Before any chain round of this generation, the chains' acceptance is the last generation's, on other
+        text, and nothing re-judges it while the lookup or trees lead: chains rated below the probe floor are never
+        probed, and the lookup's rounds keep plain probes from coming due. So until a chain has run here, a probe
+        goes to the chain that would be best at the prior of a drafter not yet judged (every position 1/2) if that
+        comes within `floor`; where the lookup copies far faster than any drafter could, none is."""
+        if self._chains_judged:
+            return None
+        prior = AcceptanceModel(self.acceptance.size).expected_all(self.max_width)
+        rated = {s: self._rate(s, prior, [], costs, context) for s in self.shapes() if s.width > 1 and not s.tree}
+        chain = max(rated, key=rated.__getitem__, default=None)
+        return chain if chain is not None and rated[chain] >= floor else None
 
     def _seen(self, shape: Shape) -> float:
         """How much recent evidence it has on this shape's kind (decayed rounds)."""
@@ -418,8 +439,11 @@ class WidthPolicy:
     def _plain_probe(self, ranked: list[Shape]) -> Shape:
         """While plain decoding wins, the least seen of: a chain of `probe_width`, the smallest tree, and the
         n-gram continuation at hand. A tree's or the lookup's time and acceptance are otherwise only predicted
-        (from the cost table, other shapes' drafting time, a prior), and one bad prediction would keep it out."""
+        (from the cost table, other shapes' drafting time, a prior), and one bad prediction would keep it out.
+        The chain first while no chain round ran in this generation: its acceptance is the last text's."""
         chain = Shape(max((w for w in self.cost.widths() if 1 < w <= min(self.probe_width, self.max_width)), default=2))
+        if not self._chains_judged:
+            return chain
         tree = [Shape(min(self.trees.widths), tree=True)] if self.trees is not None else []
         lookup = [max((s for s in ranked if s.lookup), key=lambda s: s.width)] if any(s.lookup for s in ranked) else []
         candidates = [chain] + [s for s in tree + lookup if s.width <= self.cost.max_width]
@@ -487,9 +511,11 @@ class WidthPolicy:
             self._lookup_run = accepted + 1
         elif shape.width > 1:
             self.acceptance.observe(shape.width - 1, accepted)
+            self._chains_judged = True
         if timed:
             if shape.width == 1:
                 self.cost.observe(1, context, seconds)
+                self.round_times.observe(shape, context, seconds)
             else:
                 predicted = self._predicted(shape, self.cost.estimates(context))
                 if not shape.lookup:
