@@ -300,7 +300,7 @@ class WidthPolicy:
     trees: TreeAcceptance | None = None  # tree budgets it may choose (None: chains only)
     lookup: LookupAcceptance | None = None  # the n-gram lookup's chains, offered with trees (None: never)
     tree_draft_seconds: float | None = None  # a tree round's drafting time (the drafter's, the build's), averaged
-    round_times: RoundTimes = field(default_factory=RoundTimes)  # each drafting shape's own rounds, timed
+    round_times: RoundTimes = field(default_factory=RoundTimes)  # each shape's own rounds, timed (plain too)
     _interval: int = 0
     _plain_rounds: int = 0
     _lookup_run: int | None = None  # tokens the last round's lookup continuation committed (None: none yet)
