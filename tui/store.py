@@ -18,22 +18,23 @@ The app writes through a `save_queue.SaveQueue`, never on its UI thread
 from __future__ import annotations
 
 import array
-import dataclasses
 import json
 import os
 import sqlite3
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_glimmer.generate import GenerationStats
 
+from . import stored_fields
 from .session import Settings, Turn
 
 SCHEMA_VERSION = 1
 DB_NAME = "chats.db"
 TITLE_LENGTH = 60
+UNTITLED = "(untitled)"  # a title that cannot be read
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -98,8 +99,8 @@ class ConversationInfo:
 
     id: int
     title: str
-    created: float
-    updated: float
+    created: float | None  # None: the stored time cannot be read
+    updated: float | None
     turns: int
     bundle: str | None
     model: str | None
@@ -111,6 +112,7 @@ class StoredConversation:
     settings: Settings
     turns: list[Turn]
     processed: list[int]  # token ids the cache held after the last turn
+    unreadable: list[str] = field(default_factory=list)  # what could not be read and is left out, for the user
 
 
 def pack_ids(ids) -> bytes:
@@ -120,63 +122,72 @@ def pack_ids(ids) -> bytes:
     return a.tobytes()
 
 
-def unpack_ids(blob: bytes | None) -> list[int]:
-    a = array.array("I")
-    a.frombytes(blob or b"")
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
-
-
 def settings_json(settings: Settings) -> str:
     return json.dumps(settings.flat())
 
 
-def settings_from_json(text: str | None, default: Settings | None = None) -> Settings:
-    """Settings from JSON; unknown keys (a newer version's) are ignored, missing ones keep `default`'s."""
-    default = default or Settings()
-    try:
-        data = json.loads(text or "{}")
-    except json.JSONDecodeError:
-        data = {}
-    if not isinstance(data, dict):
-        data = {}
-    names = default.flat().keys()
-    try:
-        return default.with_changes(**{k: v for k, v in data.items() if k in names})
-    except Exception:  # a value this version does not accept (hand-edited, or a newer version's): keep the defaults
-        return default
+def settings_from_json(text: str | bytes | None, default: Settings | None = None) -> Settings:
+    """Settings from JSON (`stored_fields.settings`), `default`'s where they cannot be read."""
+    return stored_fields.settings(text, default) or default or Settings()
 
 
-def stats_from_json(text: str | None) -> GenerationStats | None:
-    """A turn's stored statistics; unknown keys (a newer version's) are ignored. None when there are none
-    or they cannot be read (not JSON, not an object, a value of the wrong kind): the turn still opens,
-    its statistics shown as unavailable."""
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    defaults = GenerationStats()
-    kept = {f.name: data[f.name] for f in dataclasses.fields(GenerationStats) if f.name in data}
-    if not all(same_kind(value, getattr(defaults, name)) for name, value in kept.items()):
-        return None
-    return GenerationStats(**kept)
+def stats_from_json(text: str | bytes | None) -> GenerationStats | None:
+    """A turn's stored statistics (`stored_fields.stats`): None when there are none or they cannot be read."""
+    return stored_fields.stats(text)
 
 
-def same_kind(value, default) -> bool:
-    """Whether a stored statistic can stand where `default` does (a number, a list of whole numbers, counts
-    by name, a string or None)."""
-    if isinstance(default, list):
-        return isinstance(value, list) and all(isinstance(n, int) for n in value)
-    if isinstance(default, dict):
-        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(n, int) for k, n in value.items())
-    if isinstance(default, (int, float)):
-        return isinstance(value, (int, float))
-    return value is None or isinstance(value, str)
+def raw(column: str) -> str:
+    """SQL for `column` as stored, as bytes: text that is not UTF-8 reaches `stored_fields` instead of failing
+    inside sqlite3 (which decodes every text value it returns)."""
+    return f"CAST({column} AS BLOB)"
+
+
+def numeric(column: str) -> str:
+    """SQL for `column` when it holds a number, NULL when it holds anything else."""
+    return f"CASE WHEN typeof({column}) IN ('integer', 'real') THEN {column} END"
+
+
+def info_from_row(cid, title, created, updated, turns, bundle, model) -> ConversationInfo:
+    """A conversation's row as stored (text columns as bytes: `raw`), read through `stored_fields`."""
+    return ConversationInfo(
+        cid,
+        stored_fields.text(title) or UNTITLED,
+        stored_fields.timestamp(created),
+        stored_fields.timestamp(updated),
+        turns,
+        stored_fields.text(bundle),
+        stored_fields.text(model),
+    )
+
+
+def conversation_from_rows(info: ConversationInfo, settings, processed, turn_rows) -> StoredConversation:
+    """A conversation from its stored settings, cache ids and turns' rows (user, text, token ids, cancelled,
+    stats), each read through `stored_fields`. What cannot be read is left out and named in `unreadable`:
+    settings give way to the defaults; cache ids are dropped, so the next turn prefills the chat from its text;
+    a turn's token ids are dropped (an export lists none). A turn's statistics that cannot be read are None,
+    shown as unavailable under the answer."""
+    unreadable = []
+    restored = stored_fields.settings(settings)
+    if restored is None:
+        restored = Settings()
+        unreadable.append("its settings (the defaults apply)")
+    cache = stored_fields.ids(processed)
+    if cache is None:
+        unreadable.append("its cache ids (the next turn prefills the whole chat)")
+    turns = []
+    for position, (user, text, ids, cancelled, stats) in enumerate(turn_rows, 1):
+        token_ids = stored_fields.ids(ids)
+        if token_ids is None:
+            unreadable.append(f"the token ids of turn {position} (an export lists none)")
+        turn = Turn(
+            stored_fields.text(user) or "",
+            stored_fields.text(text) or "",
+            token_ids or [],
+            stored_fields.stats(stats),
+            stored_fields.flag(cancelled),
+        )
+        turns.append(turn)
+    return StoredConversation(info, restored, turns, cache or [], unreadable)
 
 
 def title_for(user: str) -> str:
@@ -293,11 +304,11 @@ class Store:
 
         def go(db):
             rows = db.execute(
-                "SELECT c.id, c.title, c.created, c.updated, "
-                "(SELECT count(*) FROM turns t WHERE t.conversation_id = c.id), c.bundle, c.model "
+                f"SELECT c.id, {raw('c.title')}, {numeric('c.created')}, {numeric('c.updated')}, "
+                f"(SELECT count(*) FROM turns t WHERE t.conversation_id = c.id), {raw('c.bundle')}, {raw('c.model')} "
                 "FROM conversations c ORDER BY c.updated DESC, c.id DESC"
             ).fetchall()
-            return [ConversationInfo(*row) for row in rows]
+            return [info_from_row(*row) for row in rows]
 
         return self._run(go)
 
@@ -306,23 +317,25 @@ class Store:
         return found[0].id if found else None
 
     def load(self, conversation_id: int) -> StoredConversation | None:
+        """A stored conversation, every field read through `stored_fields`: what cannot be read is left out and
+        named in `unreadable` (a turn's statistics: its `stats` is None). Writes nothing."""
+
         def go(db):
             row = db.execute(
-                "SELECT id, title, created, updated, bundle, model, settings, processed FROM conversations WHERE id = ?",
+                f"SELECT id, {raw('title')}, {numeric('created')}, {numeric('updated')}, {raw('bundle')}, "
+                f"{raw('model')}, {raw('settings')}, {raw('processed')} FROM conversations WHERE id = ?",
                 (conversation_id,),
             ).fetchone()
             if row is None:
                 return None
             cid, title, created, updated, bundle, model, settings, processed = row
-            turns = [
-                Turn(user, text, unpack_ids(ids), stats_from_json(stats), bool(cancelled))
-                for user, text, ids, cancelled, stats in db.execute(
-                    "SELECT user, text, token_ids, cancelled, stats FROM turns WHERE conversation_id = ? ORDER BY position",
-                    (cid,),
-                )
-            ]
-            info = ConversationInfo(cid, title, created, updated, len(turns), bundle, model)
-            return StoredConversation(info, settings_from_json(settings), turns, unpack_ids(processed))
+            rows = db.execute(
+                f"SELECT {raw('user')}, {raw('text')}, {raw('token_ids')}, {numeric('cancelled')}, {raw('stats')} "
+                "FROM turns WHERE conversation_id = ? ORDER BY position",
+                (cid,),
+            ).fetchall()
+            info = info_from_row(cid, title, created, updated, len(rows), bundle, model)
+            return conversation_from_rows(info, settings, processed, rows)
 
         return self._run(go)
 
@@ -427,7 +440,9 @@ def format_list(items: list[ConversationInfo], now: float | None = None) -> str:
     return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows)
 
 
-def when(t: float, now: float) -> str:
+def when(t: float | None, now: float) -> str:
+    if t is None:
+        return "?"
     lt, ln = time.localtime(t), time.localtime(now)
     if lt[:3] == ln[:3]:
         return time.strftime("%H:%M", lt)

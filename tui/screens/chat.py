@@ -308,6 +308,8 @@ class ChatScreen(Screen):
         ran_elsewhere = info.model and app.pair is not None and info.model != app.model_name()
         where = f" (it ran on {info.model})" if ran_elsewhere else ""
         self.note(f"Resumed “{info.title}” (#{info.id}, {len(stored.turns)} turns){where}.", "info")
+        if stored.unreadable:
+            self.note(f"Could not read {'; '.join(stored.unreadable)}.", "error")
         if app.pair is not None:
             app.no_drafter_no_spec()
             if app.conversation.reasoning_supported:
