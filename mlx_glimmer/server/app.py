@@ -36,6 +36,7 @@ from ..errors import GlimmerError
 from ..generate import encode_prompt
 from ..logprobs import TokenLogprob
 from ..settings import BatchSettings, GenerationSettings
+from .continuation import prompt_text, text_offsets
 from .logprob_shapes import TokenPieces, chat_logprobs, completion_logprobs
 from .metrics import metrics_text
 from .protocol import (
@@ -156,13 +157,19 @@ def tokenize(server: ServerState, req, plan: ToolPlan | None = None) -> list[int
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise APIError(400, "prompt: a list of several prompts (batching) is not supported", param="prompt")
-            prompt = prompt[0]
+        prompt = the_prompt(req)
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
         vocab = server.pair.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt: token ids must lie in [0, {vocab})", param="prompt")
         return list(prompt)
+
+
+def the_prompt(req: CompletionRequest) -> str | list[int]:
+    """A completion's one prompt: a string, or token ids."""
+    prompt = req.prompt
+    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
 
 
 async def completion(request: Request, chat: bool):
@@ -178,8 +185,15 @@ async def completion(request: Request, chat: bool):
     if not tokens:
         raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
     settings, stop = request_settings(req, server.defaults, len(tokens), server.max_context)
-    extras = ResponseExtras.of(server, req, tokens, settings)
-    gen = GenerationRequest(tokens, settings, stop, prompt_logprobs=extras.echo is not None and extras.logprobs)
+    extras = await run_in_threadpool(ResponseExtras.of, server, req, tokens, settings)
+    gen = GenerationRequest(
+        tokens,
+        settings,
+        stop,
+        prompt_logprobs=extras.echo is not None and extras.logprobs,
+        continuation=not chat,
+        ids_prompt=not chat and not isinstance(the_prompt(req), str),
+    )
     reader = ResponseParser(server.pair.tokenizer, tokens, plan) if chat else None
 
     loop = asyncio.get_running_loop()
@@ -216,52 +230,56 @@ async def completion(request: Request, chat: bool):
 @dataclass
 class ResponseExtras:
     """What a response carries besides the generated text: the prompt's text first (a completion's `echo`),
-    and log-probabilities in the endpoint's shape, each with the text it belongs to. For completions it keeps
-    the offset of the next token's text in the choice's text (`text_offset`)."""
+    and log-probabilities in the endpoint's shape, each with the text it belongs to. For completions each token
+    comes with its offset in the choice's text (`text_offset`): the echoed prompt's from `prompt_offsets`, the
+    generated ones' from their `Delta`s (counted from the end of the echo)."""
 
     chat: bool
     pieces: TokenPieces | None = None  # log-probabilities asked
     echo: str | None = None  # the echoed prompt
     prompt_tokens: list[int] = field(default_factory=list)
-    offset: int = 0
+    prompt_offsets: list[int] = field(default_factory=list)  # of the echoed prompt's tokens, with log-probabilities
 
     @classmethod
     def of(cls, server: ServerState, req, tokens: list[int], settings: GenerationSettings) -> ResponseExtras:
         chat = isinstance(req, ChatCompletionRequest)
         tokenizer = server.pair.tokenizer
         pieces = TokenPieces(tokenizer) if settings.logprobs is not None else None
-        echo = None
+        echo, offsets = None, []
         if not chat and req.echo:
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+            prompt = the_prompt(req)
             with server.tokenizer_lock:
-                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        return cls(chat, pieces, echo, tokens)
+                echo = prompt if isinstance(prompt, str) else prompt_text(tokenizer, prompt)
+                if pieces is not None:
+                    offsets = text_offsets(tokenizer, tokens, echo)
+        return cls(chat, pieces, echo, tokens, offsets)
 
     @property
     def logprobs(self) -> bool:
         return self.pieces is not None
 
-    def shaped(self, logprobs: list[TokenLogprob | None], tokens: list[int] | None = None) -> dict:
-        """`logprobs` (of `tokens`; default: their own tokens) in the endpoint's shape."""
+    def shaped(self, logprobs: list[TokenLogprob], offsets: list[int] | None = None) -> dict:
+        """Generated tokens' `logprobs` in the endpoint's shape (completions: with their `offsets` in the
+        completion's text)."""
         if self.chat:
             return chat_logprobs(self.pieces, logprobs)
-        tokens = tokens if tokens is not None else [lp.token for lp in logprobs]
-        out = completion_logprobs(self.pieces, tokens, logprobs, self.offset)
-        self.offset += sum(len(text) for text in out["tokens"])
-        return out
+        start = len(self.echo or "")
+        tokens = [lp.token for lp in logprobs]
+        return completion_logprobs(self.pieces, tokens, logprobs, [start + offset for offset in offsets or []])
 
-    def after_echo(self) -> None:
-        """The echoed prompt is out: generated tokens' offsets count from its end."""
-        self.offset = len(self.echo or "")
+    def shaped_prompt(self, logprobs: list[TokenLogprob | None]) -> dict:
+        """The echoed prompt's log-probabilities, in the completions' shape."""
+        return completion_logprobs(self.pieces, self.prompt_tokens, logprobs, self.prompt_offsets)
 
-    def whole(self, prompt: list[TokenLogprob | None] | None, generated: list[TokenLogprob]) -> dict:
+    def whole(
+        self, prompt: list[TokenLogprob | None] | None, generated: list[TokenLogprob], offsets: list[int]
+    ) -> dict:
         """A whole response's log-probabilities: the echoed prompt's (None: not asked), then the generated
         tokens', the same lists a stream sends piece by piece."""
         if prompt is None:
-            return self.shaped(generated)
-        first = self.shaped(prompt, self.prompt_tokens)
-        self.after_echo()
-        return {key: first[key] + values for key, values in self.shaped(generated).items()}
+            return self.shaped(generated, offsets)
+        first = self.shaped_prompt(prompt)
+        return {key: first[key] + values for key, values in self.shaped(generated, offsets).items()}
 
 
 def retry_after(server: ServerState) -> int:
@@ -292,7 +310,7 @@ async def whole_response(
 ):
     extras = extras or ResponseExtras(shape.chat)
     text, reasoning = [extras.echo or ""], []
-    prompt_logprobs, logprobs = None, []
+    prompt_logprobs, logprobs, offsets = None, [], []
 
     def add(parts):
         for kind, value in parts:
@@ -311,6 +329,7 @@ async def whole_response(
             if isinstance(event, Delta):
                 add(reader.feed(event.text) if reader else [("content", event.text)])
                 logprobs += event.logprobs or []
+                offsets += event.offsets or []
             elif isinstance(event, PromptLogprobs):
                 prompt_logprobs = event.logprobs
             elif isinstance(event, Finished):
@@ -330,7 +349,7 @@ async def whole_response(
                         tool_calls=calls,
                         batched_tokens=event.batched_tokens,
                         batch_size=event.batch_size,
-                        logprobs=extras.whole(prompt_logprobs, logprobs) if extras.logprobs else None,
+                        logprobs=extras.whole(prompt_logprobs, logprobs, offsets) if extras.logprobs else None,
                     )
                 )
             elif isinstance(event, Failed):
@@ -382,12 +401,12 @@ async def stream_events(
         sent_calls += sum(len(v) for k, v in parts if k == "tool_calls")
         return out
 
-    def with_logprobs(chunks: list[dict], logprobs: list[TokenLogprob] | None) -> list[dict]:
+    def with_logprobs(chunks: list[dict], delta: Delta) -> list[dict]:
         """A delta's log-probabilities ride on its first chunk, or on an empty one when none goes out now (its
         text held back, or only a tool call's start)."""
-        if logprobs:
+        if delta.logprobs:
             chunks = chunks or [shape.chunk("")]
-            chunks[0]["choices"][0]["logprobs"] = extras.shaped(logprobs)
+            chunks[0]["choices"][0]["logprobs"] = extras.shaped(delta.logprobs, delta.offsets)
         return chunks
 
     try:
@@ -395,15 +414,13 @@ async def stream_events(
             yield sse(shape.chunk(role=True))
         if extras.echo is not None and not extras.logprobs:
             yield sse(shape.chunk(extras.echo))
-            extras.after_echo()
         while True:
             event = await events.get()
             if isinstance(event, PromptLogprobs):
-                yield sse(shape.chunk(extras.echo, logprobs=extras.shaped(event.logprobs, extras.prompt_tokens)))
-                extras.after_echo()
+                yield sse(shape.chunk(extras.echo, logprobs=extras.shaped_prompt(event.logprobs)))
             elif isinstance(event, Delta):
                 chunks = emit(reader.feed(event.text)) if reader else [shape.chunk(event.text)]
-                for chunk in with_logprobs(chunks, event.logprobs):
+                for chunk in with_logprobs(chunks, event):
                     yield sse(chunk)
             elif isinstance(event, Finished):
                 finish = event.finish_reason

@@ -62,17 +62,12 @@ def chat_logprobs(pieces: TokenPieces, logprobs: list[TokenLogprob]) -> dict:
 
 
 def completion_logprobs(
-    pieces: TokenPieces, tokens: list[int], logprobs: list[TokenLogprob | None], offset: int = 0
+    pieces: TokenPieces, tokens: list[int], logprobs: list[TokenLogprob | None], offsets: list[int]
 ) -> dict:
     """The legacy completions' `choices[i].logprobs` for `tokens` (their entries in `logprobs`: None for a
     prompt's first token, which has none): texts, log-probabilities, the alternatives with the chosen token
-    among them (as OpenAI gives them: up to `logprobs` + 1), and each token's offset in the text, counting
-    from `offset` by the texts of the tokens before it."""
+    among them (as OpenAI gives them: up to `logprobs` + 1), and each token's `offsets` in the choice's text."""
     texts = [pieces.text(t) for t in tokens]
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
     top = []
     for lp in logprobs:
         if lp is None:
@@ -85,5 +80,5 @@ def completion_logprobs(
         "tokens": texts,
         "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }

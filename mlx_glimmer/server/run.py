@@ -15,6 +15,7 @@ from ..logprobs import TokenLogprob, prompt_logprobs
 from ..settings import SEED_LIMIT, GenerationSettings
 from ..speculative import prefill
 from .batch import Row
+from .continuation import Continuation
 from .prompt_cache import Conversation, PromptCache
 
 
@@ -26,12 +27,15 @@ class GenerationRequest:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     stop: list[str] = field(default_factory=list)
     prompt_logprobs: bool = False  # report the prompt's own log-probabilities first (`echo`; needs settings.logprobs)
+    continuation: bool = False  # text as it reads after the prompt (completions), not as a text of its own (chat)
+    ids_prompt: bool = False  # the prompt came as token ids (it may end inside a character)
 
 
 @dataclass
 class Delta:
     text: str
     logprobs: list[TokenLogprob] | None = None  # of the tokens committed with this text, when the request asks
+    offsets: list[int] | None = None  # with them, a continuation's: where each token stands in its text
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Run:
     row: Row | None = None  # while in a batch
     chunked: ChunkedPrefill = field(default_factory=ChunkedPrefill)
     prefilling: Iterator[bool] | None = None  # while its prompt is prefilled in chunks (`prefill`)
+    waiting: list[TokenLogprob] = field(default_factory=list)  # log-probabilities of tokens whose text is held back
 
     def __post_init__(self):
         self.stop = StopMatcher(self.job.request.stop)
@@ -153,7 +158,12 @@ class Run:
     @classmethod
     def start(cls, job: Job, prompt_cache: PromptCache, tokenizer) -> "Run":
         wait = time.perf_counter() - job.enqueued_at
-        return cls(job, prompt_cache.take(job.request.prompt_tokens), tokenizer.detokenizer, wait)
+        request = job.request
+        if request.continuation:
+            detok = Continuation(tokenizer, request.prompt_tokens, request.ids_prompt)
+        else:
+            detok = tokenizer.detokenizer
+        return cls(job, prompt_cache.take(request.prompt_tokens), detok, wait)
 
     @property
     def settings(self) -> GenerationSettings:
@@ -237,9 +247,10 @@ class Run:
         done = self.stats.finish_reason
         if done is not None:
             self.detok.finalize()
+        logprobs, offsets = self.with_text(logprobs)
         text, hit = self.stop.feed(self.detok.last_segment)
         if text or logprobs:
-            self.job.emit(Delta(text, logprobs))
+            self.job.emit(Delta(text, logprobs, offsets))
         if hit:
             self.finish = "stop"
         elif self.job.cancelled.is_set():
@@ -248,6 +259,19 @@ class Run:
             self.finish = done
             if tail := self.stop.flush():
                 self.job.emit(Delta(tail))
+
+    def with_text(self, logprobs: list[TokenLogprob] | None) -> tuple[list[TokenLogprob] | None, list[int] | None]:
+        """The log-probabilities to send now, with their tokens' offsets in the text: a continuation's wait for
+        their tokens' text (the bytes of a character split across tokens are held back until it is whole),
+        whose offsets it then knows; a chat reply's go as they come."""
+        if not isinstance(self.detok, Continuation):
+            return logprobs, None
+        self.waiting += logprobs or []
+        offsets = self.detok.take_offsets()
+        if not self.waiting:
+            return None, None
+        ready, self.waiting = self.waiting[: len(offsets)], self.waiting[len(offsets) :]
+        return ready, offsets
 
     def batched_step(
         self, token: int, stop_ids: set, batch_size: int, now: float, logprob: TokenLogprob | None = None
