@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.files import check_regular_file
 
 INDEX_FILE = "model.safetensors.index.json"
 # Source bytes per row block; bounds the working set of one conversion step.
@@ -113,6 +114,7 @@ class TensorRef:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and where its data starts; truncation is an error."""
+    check_regular_file(path, "weights file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -152,6 +154,7 @@ def list_tensors(path: Path) -> list[TensorRef]:
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors shards of a checkpoint: those named by its index, else every *.safetensors."""
     index = model_dir / INDEX_FILE
+    check_regular_file(index, "safetensors index")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -160,6 +163,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = []
         for name in dict.fromkeys(weight_map.values()):
             f = model_dir / name
+            check_regular_file(f, "weights file")
             if not f.is_file():
                 raise GlimmerError(f"{f}: shard named in {INDEX_FILE} is missing")
             files.append(f)

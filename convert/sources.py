@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_glimmer.errors import GlimmerError
+from mlx_glimmer.files import check_model_files, check_regular_file
 
 # What a conversion needs from a hub repo: weights, configs, tokenizer and chat template.
 HUB_PATTERNS = [
@@ -32,13 +33,17 @@ def resolve(spec: str, what: str) -> Source:
     if path.exists():
         path = path.resolve()
         if path.is_dir():
+            check_model_files(path, what)  # a FIFO where a weight or config file is expected: named, not waited on
             return Source(str(path), path, "dir")
         if path.suffix.lower() == ".gguf":
+            check_regular_file(path, f"{what} .gguf file")
             return Source(str(path), path, "gguf")
         raise GlimmerError(f"{path}: {what} must be a model directory or a .gguf file")
     if path.suffix.lower() == ".gguf" or not REPO_ID.match(spec):
         raise GlimmerError(f"{spec}: no such {what} directory or file")
-    return Source(spec, download(spec, what), "dir")
+    downloaded = download(spec, what)
+    check_model_files(downloaded, what)
+    return Source(spec, downloaded, "dir")
 
 
 def download(repo_id: str, what: str) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +26,57 @@ def looking_into(directory: Path, what: str = "this") -> Iterator[None]:
         raise GlimmerError(f"{directory}: cannot read {what} directory ({e.strerror or e})") from None
 
 
+# The files a load reads from a model directory: weights, configs, tokenizer, chat template.
+MODEL_FILE_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.gguf")
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def check_regular_file(path: Path, what: str = "file") -> None:
+    """`path`, where it exists, is a regular file (a link to one is fine): the one check before any weight,
+    config or tokenizer file is opened. Anything else is one error naming it, at once: opening a FIFO waits for
+    a writer forever, a device never ends, a directory fails deep inside a reader. A path that is not there at
+    all is left to the caller (which says what is missing); a link to nothing is an error here."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise GlimmerError(f"{path}: {what} is a symbolic link to nothing ({os.readlink(path)})") from None
+        return
+    except OSError as e:
+        raise GlimmerError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise GlimmerError(f"{path}: the {what} is {kind}, not a regular file")
+
+
+def check_model_files(path: Path, what: str = "model") -> None:
+    """`check_regular_file` for every file of directory `path` that a load would read (`MODEL_FILE_PATTERNS`)."""
+    with looking_into(path, f"the {what}"):
+        names = sorted(os.listdir(path))
+    for name in names:
+        if any(Path(name).match(pattern) for pattern in MODEL_FILE_PATTERNS):
+            check_regular_file(Path(path) / name, f"{what} file")
+
+
 def check_model_dir(path: Path, what: str) -> None:
-    """`path` is a directory with a config.json and model*.safetensors weights (`what`: "target", "drafter")."""
+    """`path` is a directory with a config.json and model*.safetensors weights (`what`: "target", "drafter"),
+    every file a load reads a regular one (`check_model_files`)."""
     with looking_into(path, f"the {what}"):
         if not path.exists():
             raise GlimmerError(f"{path}: {what} directory not found")
         if not path.is_dir():
             raise GlimmerError(f"{path}: {what} must be a directory")
         os.listdir(path)  # a listing it may not read would look like a directory without weights
+    check_model_files(path, what)
+    with looking_into(path, f"the {what}"):
         if not (path / "config.json").is_file():
             raise GlimmerError(f"{path / 'config.json'}: {what} config.json not found")
         if not list(path.glob("model*.safetensors")):
@@ -42,6 +86,7 @@ def check_model_dir(path: Path, what: str) -> None:
 def read_config_json(path: Path, what: str = "model") -> dict:
     """A directory's config.json as a dict."""
     cfg_file = Path(path) / "config.json"
+    check_regular_file(cfg_file, f"{what} config")
     if not cfg_file.is_file():
         raise GlimmerError(f"{cfg_file}: {what} config.json not found")
     try:
@@ -55,6 +100,7 @@ def read_config_json(path: Path, what: str = "model") -> dict:
 
 def check_safetensors(path: Path) -> None:
     """A truncated safetensors file fails here with its name, not deep inside a load."""
+    check_regular_file(path, "weights file")
     try:
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
@@ -82,6 +128,7 @@ BUNDLE_FORMAT = "mlx-glimmer/1"
 def read_bundle_manifest(path: Path) -> dict[str, Any]:
     """BUNDLE/glimmer.json, checked: a JSON object of our format naming its target (and drafter) directory."""
     manifest_path = Path(path) / "glimmer.json"
+    check_regular_file(manifest_path, "bundle manifest")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -115,6 +162,8 @@ def pair_paths(path, target, drafter, use_drafter: bool = True) -> PairPaths:
             if not path.exists():
                 raise GlimmerError(f"{path}: no such bundle or directory")
             bundle = (path / "glimmer.json").is_file()
+            if not bundle and os.path.lexists(path / "glimmer.json"):
+                check_regular_file(path / "glimmer.json", "bundle manifest")  # a FIFO, a device: named here
         target_path = path
         if bundle:
             manifest = read_bundle_manifest(path)

@@ -15,7 +15,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -156,6 +158,125 @@ def test_a_directory_without_read_permission_is_one_error_line(bundle, tmp_path,
         one_error_line(capsys.readouterr().err, f"{locked}: cannot read")
     finally:
         locked.chmod(0o755)
+
+
+# ---- files that are not regular files: named at once, never waited on ----------------------------------
+
+
+@contextmanager
+def never_waits_on(fifo: Path, within: float = 10.0):
+    """Fail rather than hang where a reader waits on `fifo`: after `within` seconds a writer opens it and closes
+    it at once, again and again (each waiting reader then reads an empty file), and the test fails on time."""
+    done = threading.Event()
+
+    def unblock():
+        if done.wait(within):
+            return
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader at the moment
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    assert time.monotonic() - start < within, f"waited on {fifo}"
+
+
+def make_fifo(path: Path) -> Path:
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+# (where in the bundle, the file made a FIFO); "first shard" is the target's first weight shard
+FIFO_PLACES = [
+    ("target", "config.json"),
+    ("target", "tokenizer.json"),
+    ("target", "first shard"),
+    ("drafter", "model.safetensors"),
+    ("drafter", "config.json"),
+    ("", "glimmer.json"),
+]
+
+
+@pytest.mark.parametrize("inside, name", FIFO_PLACES, ids=[f"{i or 'bundle'}/{n}" for i, n in FIFO_PLACES])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_fifo_where_a_model_file_belongs_is_one_error_line_at_once(
+    bundle, tmp_path, capsys, monkeypatch, command, inside, name
+):
+    from mlx_glimmer.tui.app import ChatApp
+
+    monkeypatch.setattr(ChatApp, "run", lambda app: pytest.fail("the app started"))
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    folder = copy / inside if inside else copy
+    if name == "first shard":
+        name = sorted(folder.glob("model-*.safetensors"))[0].name
+    fifo = make_fifo(folder / name)
+    argv = ["generate", str(copy), "--prompt", "Hi", "--max-tokens", "2"] if command == "generate" else []
+    argv = argv or ["chat", str(copy), "--no-history"]
+    with never_waits_on(fifo):
+        assert main(argv) == 2
+    one_error_line(capsys.readouterr().err, str(fifo), "FIFO", "not a regular file")
+
+
+def test_a_device_or_a_dangling_link_where_weights_belong_is_one_error_line(bundle, tmp_path, capsys):
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    weights = copy / "drafter" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to("/dev/zero")  # a link to a device: reading it never ends
+    assert main(["generate", str(copy), "--prompt", "Hi", "--max-tokens", "2"]) == 2
+    one_error_line(capsys.readouterr().err, str(weights), "character device")
+    weights.unlink()
+    weights.symlink_to(tmp_path / "gone.safetensors")
+    assert main(["generate", str(copy), "--prompt", "Hi", "--max-tokens", "2"]) == 2
+    one_error_line(capsys.readouterr().err, str(weights), "symbolic link to nothing")
+
+
+def test_the_api_refuses_a_fifo_in_a_model_directory(checkpoints, tmp_path):
+    target = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], target)
+    fifo = make_fifo(target / "model.safetensors")
+    with never_waits_on(fifo), pytest.raises(GlimmerError, match="FIFO"):
+        mlx_glimmer.load(target=target)
+
+
+@pytest.mark.parametrize("what", ["shard", "config.json", "tokenizer.json", "gguf"])
+def test_convert_refuses_a_fifo_source_file_at_once_and_writes_nothing(checkpoints, tmp_path, capsys, what):
+    out = tmp_path / "out" / "bundle"
+    if what == "gguf":
+        fifo = make_fifo(tmp_path / "model.gguf")
+        source = fifo
+    else:
+        source = tmp_path / "muse"
+        shutil.copytree(checkpoints["muse"], source)
+        name = sorted(source.glob("model-*.safetensors"))[0].name if what == "shard" else what
+        fifo = make_fifo(source / name)
+    with never_waits_on(fifo):
+        assert main(["convert", "--target", str(source), "--out", str(out), "--quiet"]) == 2
+    one_error_line(capsys.readouterr().err, str(fifo), "FIFO")
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+def test_distill_refuses_a_fifo_in_its_init_drafter_before_run(checkpoints, prompts, tmp_path, capsys):
+    init = tmp_path / "init"
+    shutil.copytree(checkpoints["assistant"], init)
+    fifo = make_fifo(init / "model.safetensors")
+    run = tmp_path / "run"
+    with never_waits_on(fifo):
+        argv = ["distill", str(checkpoints["llama"]), "--out", str(run), *prompts, *SMALL, "--init", str(init)]
+        assert main(argv) == 2
+    one_error_line(capsys.readouterr().err, str(fifo), "FIFO")
+    assert not run.exists()
 
 
 def test_chat_with_a_broken_bundle_stops_before_the_app(list_manifest, capsys, monkeypatch):

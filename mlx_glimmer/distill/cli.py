@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import GlimmerError
-from ..files import check_model_dir, pair_paths, read_config_json
+from ..files import check_model_dir, check_model_files, check_regular_file, pair_paths, read_config_json
 from ..flags import nonnegative_int, positive_float, positive_int, seed_arg, unit_float
 from ..paths import DATA_DIR
 from .step import TrainConfig, target_init_layers
@@ -251,12 +251,15 @@ def check_distill_flags(args) -> None:
     for flag, name in ([("--prompts", args.prompts)] if args.prompts != "synth" else []) + [
         ("--heldout", args.heldout)
     ]:
+        check_regular_file(Path(name), f"{flag} prompt file")
         if not Path(name).is_file():
             raise GlimmerError(f"distill: {flag} {name}: prompt file not found")
     if args.self_instruct and args.prompts != "synth":
         raise GlimmerError("distill: --self-instruct writes prompts for --prompts synth only")
     temperatures(args)
     # the layer range is checked against the target once its shape is known (`check_against_target`)
+    if target_start(args, sys.maxsize) is None and Path(args.init).is_dir():
+        check_model_files(Path(args.init), "--init drafter")
     if (
         target_start(args, sys.maxsize) is None
         and args.init != "random"

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import GlimmerError
-from ..files import check_weight_files, read_config_json
+from ..files import check_regular_file, check_weight_files, read_config_json
 from .config import DrafterConfig
 
 
@@ -60,6 +60,7 @@ def read_weights(path: Path, what: str) -> dict[str, mx.array]:
         raise GlimmerError(f"{path}: no model*.safetensors weights for the {what}")
     weights = {}
     for f in files:
+        check_regular_file(f, f"{what} weights file")  # mx.load would wait on a FIFO
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # a truncated or foreign file

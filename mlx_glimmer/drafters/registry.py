@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files import check_regular_file
 from .block import BlockDrafter
 from .config import DrafterConfig
 from .dflash import DFlashDrafter, DFlashModel
@@ -70,7 +71,9 @@ def family_of(raw: dict) -> str | None:
 def drafter_kind(path: Path) -> str:
     """The block-drafter family of a model directory, or `DRAFT_MODEL` for any other (a causal LM).
 
-    An unreadable config.json counts as "dflash": loading it then names the problem."""
+    An unreadable config.json counts as "dflash": loading it then names the problem. One that is not a regular
+    file (a FIFO would wait for a writer) is that error at once."""
+    check_regular_file(Path(path) / "config.json", "drafter config")
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
