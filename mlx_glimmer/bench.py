@@ -92,9 +92,15 @@ def method_name(width: int | str, tree: int | str) -> str:
 
 def spec_methods(block_sizes: list[int | str], trees: list[int | str]) -> list[str]:
     """One speculative method per (width, tree); a fixed width verifies chains under tree "auto", so that pair
-    runs as tree "off" (listed once)."""
-    names = [method_name(b, OFF if b != AUTO and t == AUTO else t) for b in block_sizes for t in trees]
-    return list(dict.fromkeys(names))
+    runs as tree "off", and a tree of N nodes sets the width itself (N + 1, with block size "auto" only:
+    `settings.FIXED_TREE_RULE`), so a fixed width with it runs as width "auto" (each listed once)."""
+
+    def method(b, t) -> str:
+        if b != AUTO and t == AUTO:
+            return method_name(b, OFF)
+        return method_name(AUTO if isinstance(t, int) else b, t)
+
+    return list(dict.fromkeys(method(b, t) for b in block_sizes for t in trees))
 
 
 LOOKUP_ALONE = "lookup"  # the method of `--with-lookup`: prompt lookup alone, block size auto, chains
@@ -367,7 +373,7 @@ def add_bench_parser(sub) -> None:
         default="auto,off",
         help="comma-separated draft-tree settings, each 'auto', 'off' or a number of nodes (1 to 63); every "
         "verify width runs once per setting, except that a fixed width runs 'auto' as 'off' (it verifies chains) "
-        "(default: auto,off)",
+        "and a number of nodes with width auto only (the tree sets the width) (default: auto,off)",
     )
     p.add_argument(
         "--sweep-block-size",
@@ -415,7 +421,9 @@ def tree_settings(args) -> list[int | str]:
 def check_bench_flags(args) -> None:
     """Every `bench` flag, before anything heavy is imported (the numbers are checked by their argparse types)."""
     from .files import check_pair_dirs
+    from .flags import check_drafter_flags
 
+    check_drafter_flags(args, "bench")
     block_sizes(args)
     tree_settings(args)
     if args.sweep_block_size and args.block_sizes:

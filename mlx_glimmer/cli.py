@@ -22,6 +22,8 @@ from .flags import (
     add_drafter_flags,
     add_logprobs_flag,
     add_sampling_flags,
+    check_drafter_flags,
+    check_one_generation,
     checked,
     dest,
     given_settings,
@@ -106,9 +108,19 @@ def build_parser() -> Parser:
         description="Generate text for one prompt. Greedy speculative output equals plain greedy output token for token.",
     )
     g.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
-    g.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
+    g.add_argument(
+        "--prompt",
+        required=True,
+        help="prompt text ('-' reads stdin). An empty prompt is refused without --chat (nothing to condition "
+        "on); with --chat it is an empty user message, which the chat template still makes a prompt of, as "
+        "`chat BUNDLE ''` sends it",
+    )
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument(
+        "--system",
+        default=None,
+        help="system message (with --chat); an empty one is left out, as `chat --system ''` leaves it out",
+    )
     add_drafter_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
@@ -167,7 +179,8 @@ def build_parser() -> Parser:
             "BUNDLE or MESSAGE: a first argument that names an existing directory, or looks like a path (one word "
             "with a '/', or starting with '.' or '~'), is the BUNDLE; anything else is the first MESSAGE, sent as "
             'soon as the model is loaded. With both, the BUNDLE comes first: mlx-glimmer chat ./bundle "hello". '
-            "--resume takes an optional value, so put a message before it, or after an explicit ID or 'last'."
+            "--resume takes an optional value, so put a message before it, or after an explicit ID or 'last'. "
+            "An empty MESSAGE ('') is sent as an empty user message, as `generate --chat --prompt ''` sends it."
         ),
     )
     c.add_argument(
@@ -187,7 +200,7 @@ def build_parser() -> Parser:
     c.trailing_words = "words"  # mlx-glimmer chat ./bundle --temp 0.5 "hello"
     c.add_argument("--list", action="store_true", help="list the saved conversations and exit")
     c.add_argument("--no-history", action="store_true", help="neither read nor save conversations")
-    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--system", default=None, help="system prompt ('' leaves it out, as `generate --chat` does)")
     from .tui.chat_settings import DEFAULT_CHAT
 
     c.add_argument(
@@ -226,9 +239,9 @@ def check_bundle(args, use_drafter: bool = True) -> None:
 def check_generate(args) -> None:
     from .torch_backend.cli import check_backend_flags
 
-    settings_from_args(args, "generate")
-    if args.prompt == "":
-        raise GlimmerError("generate: --prompt is empty")
+    check_one_generation(args, "generate")
+    if args.prompt == "" and not args.chat:
+        raise GlimmerError("generate: --prompt is empty (with --chat it is an empty user message)")
     if args.system is not None and not args.chat:
         raise GlimmerError("generate: --system needs --chat")
     if args.logprobs is not None and not args.json:
@@ -243,7 +256,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
-        if not prompt.strip():
+        if not prompt.strip() and not args.chat:
             raise GlimmerError("generate: --prompt -: standard input is empty")
     from .generate import calibrate, collect, stream_generate
     from .torch_backend.cli import open_backend
@@ -291,6 +304,8 @@ def looks_like_bundle(word: str) -> bool:
     """`chat`'s first positional: a BUNDLE if it names a directory or looks like a path, else a message."""
     from pathlib import Path
 
+    if not word.strip():  # Path("") is the current directory: an empty word is an (empty) message
+        return False
     if Path(word).expanduser().is_dir():
         return True
     return not any(ch.isspace() for ch in word) and ("/" in word or word.startswith((".", "~")))
@@ -312,9 +327,7 @@ def chat_plan(args):
     end here, before the app takes over the terminal."""
     from .tui.chat_settings import DEFAULT_CHAT
 
-    bundle, message = chat_words(args.words)
-    if message is not None and not message.strip():
-        raise GlimmerError("chat: the first message is empty")
+    bundle, message = chat_words(args.words)  # an empty MESSAGE is an empty user message, as `generate --chat`'s
     if args.no_history and (args.list or args.resume is not None):
         raise GlimmerError(f"chat: {'--list' if args.list else '--resume'} reads the history; drop --no-history")
     own = {name: getattr(args, name) for name in ("system", "reasoning") if getattr(args, name) is not None}
@@ -435,8 +448,16 @@ def check_distill(args) -> None:
     check_distill_flags(args)
 
 
+def check_parity(args) -> None:
+    from .torch_backend.cli import parity_tree
+
+    parity_tree(args)
+    check_bundle(args)
+
+
 def check_serve(args) -> None:
     settings_from_args(args, "serve")
+    check_drafter_flags(args, "serve")
     check_bundle(args, use_drafter=not args.prompt_lookup)
 
 
@@ -459,7 +480,7 @@ CHECKS = {
     "distill": check_distill,
     "demo": check_demo,
     "serve": check_serve,
-    "parity": check_bundle,
+    "parity": check_parity,
 }
 
 

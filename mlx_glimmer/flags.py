@@ -15,12 +15,12 @@ from .settings import (
     AUTO,
     MAX_DRAFT_K,
     MAX_LOGPROBS,
-    MAX_TREE_NODES,
-    OFF,
     SEED_BITS,
     SEED_LIMIT,
     GenerationSettings,
     SamplingError,
+    check_together,
+    tree_value,
 )
 
 # The flag of each generation setting, by the setting's name (`GenerationSettings.of`'s keyword, the field a
@@ -109,25 +109,23 @@ def block_size_arg(text: str) -> int | str:
 
 
 def tree_arg(text: str) -> int | str:
-    """`--tree`: "auto", "off", or a whole number of nodes in [1, MAX_TREE_NODES]."""
-    word = text.strip().lower()
-    if word in (AUTO, OFF):
-        return word
+    """`--tree`: what `settings.tree_value` takes ("auto", "off", a whole number of nodes in [1, MAX_TREE_NODES]),
+    digits read as a number first: the server's `tree` field takes the same spellings."""
     try:
-        value = int(word)
+        value = int(text)
     except ValueError:
-        value = None
-    if value is None or not 1 <= value <= MAX_TREE_NODES:
-        raise argparse.ArgumentTypeError(
-            f"must be 'auto', 'off' or a whole number in [1, {MAX_TREE_NODES}], got {text!r}"
-        )
-    return value
+        value = text
+    try:
+        return tree_value(value)
+    except SamplingError as e:
+        raise argparse.ArgumentTypeError(f"{e.rule}, got {text!r}") from None
 
 
 TREE_HELP = (
-    "draft trees: N nodes under the anchor (N + 1 tokens verified per target call), 'off' for chains only, "
-    "'auto' (default) lets the width policy choose a chain width or a tree budget each round; trees need a "
-    "block drafter (DFlash, DFlash2, DSpark); n-gram matches from the conversation join the tree as a branch"
+    "draft trees: N nodes under the anchor (N + 1 tokens verified per target call, so it goes with --block-size "
+    "auto only), 'off' for chains only, 'auto' (default) lets the width policy choose a chain width or a tree "
+    "budget each round; trees need a block drafter (DFlash, DFlash2, DSpark); n-gram matches from the "
+    "conversation join the tree as a branch"
 )
 
 draft_k_arg = bounded_int(1, MAX_DRAFT_K)
@@ -176,7 +174,8 @@ def add_sampling_flags(
         help="verify width: drafted tokens + the anchor. auto (default): chosen every round from the measured "
         "verify cost and live acceptance, up to the drafter's block size, falling back to plain decoding when "
         "drafting does not pay; N fixes it, capped at the drafter's block size (DFlash: its trained block, "
-        "16 for the demo drafter; a draft model or prompt lookup: --draft-k + 1)",
+        "16 for the demo drafter; a draft model or prompt lookup: --draft-k + 1), with --tree auto (chains of N) "
+        "or off; --tree N sets the width itself",
     )
     p.add_argument(
         FLAG_OF["tree"],
@@ -217,7 +216,42 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
         help=f"tokens per round for a draft model (default: adaptive, up to {MAX_DRAFT_K}) or prompt lookup (default "
         f"10): 1 to {MAX_DRAFT_K}",
     )
-    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output (no model)")
+    p.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="draft by n-gram lookup in prompt + output (no model) instead of a drafter: not with --drafter; it "
+        "drafts chains, so not with --tree N",
+    )
+
+
+def check_drafter_flags(args, prog: str) -> None:
+    """`add_drafter_flags`' flags against each other and the tree: prompt lookup replaces any drafter (a
+    --drafter beside it would be loaded for nothing) and drafts chains (a fixed --tree would never be one)."""
+    if args.prompt_lookup and args.drafter is not None:
+        raise GlimmerError(f"{prog}: --prompt-lookup and --drafter disagree: prompt lookup drafts without a model")
+    tree = getattr(args, "tree", None)
+    if args.prompt_lookup and isinstance(tree, int):
+        raise GlimmerError(
+            f"{prog}: --prompt-lookup and --tree {tree} disagree: prompt lookup drafts chains; trees need a block "
+            "drafter (--tree auto or off)"
+        )
+
+
+def check_one_generation(args, prog: str) -> GenerationSettings:
+    """The settings of a command that runs ONE generation (`generate`) as its flags give them, refusing flags
+    that disagree there: `settings.check_together`'s, and --no-spec with a drafter flag (nothing drafts)."""
+    settings = settings_from_args(args, prog)
+    checked(prog, lambda: check_together(given_settings(args)))
+    if getattr(args, "no_spec", False):
+        for flag, given in (
+            ("--drafter", args.drafter is not None),
+            ("--prompt-lookup", args.prompt_lookup),
+            ("--draft-k", args.draft_k is not None),
+        ):
+            if given:
+                raise GlimmerError(f"{prog}: --no-spec and {flag} disagree: plain decoding drafts nothing")
+    check_drafter_flags(args, prog)
+    return settings
 
 
 def checked(prog: str, make):
@@ -225,7 +259,7 @@ def checked(prog: str, make):
     try:
         return make()
     except SamplingError as e:
-        raise GlimmerError(f"{prog}: {e.named(FLAG_OF.get(e.field, e.field))}") from None
+        raise GlimmerError(f"{prog}: {e.named(*(FLAG_OF.get(f, f) for f in e.fields))}") from None
 
 
 def settings_from_args(args, prog: str) -> GenerationSettings:

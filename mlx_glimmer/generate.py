@@ -286,10 +286,11 @@ def prepare_request(
     stats = GenerationStats(
         prompt_tokens=len(tokens),
         drafter_kind=drafter.kind if drafter is not None else "none",
-        block_size=block_size if drafter is not None else 1,
+        # a fixed tree of N nodes verifies N + 1 tokens every round: that is the width it reports
+        block_size=(settings.tree + 1 if fixed_tree else block_size) if drafter is not None else 1,
         block_policy="auto" if policy is not None else "fixed",
     )
-    return Request(tokens, replace(settings, block_size=block_size), drafter, stats, policy)
+    return Request(tokens, settings.with_verify_width(block_size), drafter, stats, policy)
 
 
 def widest_width(drafter: Drafter) -> int:

@@ -168,7 +168,7 @@ def generate_steps(
     if trees:
         lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=1)
         lookup.observe(prompt, None)
-    settings = replace(settings, block_size=block_size)
+    settings = settings.with_verify_width(block_size)
     proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0)
     yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
 

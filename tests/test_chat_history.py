@@ -172,6 +172,13 @@ def test_a_first_message_is_sent_once_the_model_is_loaded(pair, store):
     assert turn.user == "Hello" and store.list()[0].title == "Hello"
 
 
+def test_an_empty_first_message_is_sent_as_an_empty_user_message(pair):
+    """As `generate --chat --prompt ''` sends it: the chat template makes a prompt of it."""
+    view = chat(pair, nothing, first_message="")
+    (turn,) = view.app.conversation.turns
+    assert turn.user == "" and turn.stats is not None and turn.stats.generated_tokens >= 1
+
+
 # --- the conversation list -----------------------------------------------------------------------
 
 
@@ -398,7 +405,6 @@ def test_a_turn_whose_stored_stats_cannot_be_read_resumes_with_them_marked_unava
         (["--resume", "7"], "no conversation 7"),
         (["--list", "--no-history"], "--list reads the history; drop --no-history"),
         (["a", "b", "c"], "at most a BUNDLE and one MESSAGE"),
-        (["   "], "the first message is empty"),
     ],
 )
 def test_history_flag_mistakes_are_one_line(started, capsys, args, needle):

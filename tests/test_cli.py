@@ -170,7 +170,7 @@ def test_every_command_takes_tree_auto_off_or_a_node_count_and_its_settings_carr
 
     parser = build_parser()
     for command in (["generate", "--prompt", "x"], ["serve"], ["chat"]):
-        for given, value in (("auto", "auto"), ("off", "off"), ("1", 1), ("63", 63), ("OFF", "off")):
+        for given, value in (("auto", "auto"), ("off", "off"), ("1", 1), ("63", 63)):
             assert parser.parse_args([*command, "--tree", given]).tree == value
     assert parser.parse_args(["generate", "--prompt", "x"]).tree == "auto"
     assert parser.parse_args(["serve"]).tree == "auto"
@@ -182,11 +182,149 @@ def test_every_command_takes_tree_auto_off_or_a_node_count_and_its_settings_carr
     assert "N + 1 tokens verified" in help_ and "block drafter" in help_ and "'off' for chains only" in help_
 
 
-@pytest.mark.parametrize("value", ["0", "64", "-1", "wide", "2.5", ""])
+@pytest.mark.parametrize("value", ["0", "64", "-1", "wide", "2.5", "", "OFF", "Auto"])
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["chat"]])
 def test_a_bad_tree_is_one_error_line_naming_the_flag(capsys, command, value):
     assert main([*command, "--tree", value]) == 2
     assert_one_error_line(capsys.readouterr().err, f"{command[0]}: argument --tree: must be 'auto', 'off'")
+
+
+def test_tree_and_the_servers_tree_take_the_same_spellings():
+    """One reader (`settings.tree_value`): what `--tree` takes, the server's `tree` takes, and nothing else (a
+    number is a JSON number there, as the command line's digits are read as one)."""
+    import argparse
+
+    from mlx_glimmer.flags import tree_arg
+    from mlx_glimmer.server.protocol import APIError, CompletionRequest, parse
+
+    def on_the_command_line(text):
+        try:
+            return tree_arg(text)
+        except argparse.ArgumentTypeError:
+            return "refused"
+
+    def on_the_server(value):
+        try:
+            return parse(CompletionRequest, {"prompt": "hi", "tree": value}).tree
+        except APIError:
+            return "refused"
+
+    for word in ("auto", "off", "AUTO", "Off", " auto", "chain", ""):
+        assert on_the_command_line(word) == on_the_server(word), word
+    for n in (-1, 0, 1, 7, 63, 64):
+        assert on_the_command_line(str(n)) == on_the_server(n), n
+    assert on_the_server("AUTO") == "refused" and on_the_server(7) == 7
+
+
+NO = "/no/such/drafter"  # the flags are refused before any path is looked at
+DISAGREEING_FLAGS = [
+    (
+        ["generate", "--prompt", "x", "--tree", "7", "--block-size", "1"],
+        "generate: --block-size 1 and --tree 7 disagree",
+    ),
+    (["chat", "--block-size", "4", "--tree", "7"], "chat: --block-size 4 and --tree 7 disagree"),
+    (["serve", "--tree", "63", "--block-size", "1"], "serve: --block-size 1 and --tree 63 disagree"),
+    (["generate", "--prompt", "x", "--no-spec", "--tree", "7"], "generate: --no-spec and --tree 7 disagree"),
+    (["generate", "--prompt", "x", "--no-spec", "--block-size", "4"], "generate: --no-spec and --block-size 4"),
+    (["generate", "--prompt", "x", "--no-spec", "--prompt-lookup"], "generate: --no-spec and --prompt-lookup"),
+    (["generate", "--prompt", "x", "--no-spec", "--drafter", NO], "generate: --no-spec and --drafter disagree"),
+    (["generate", "--prompt", "x", "--no-spec", "--draft-k", "3"], "generate: --no-spec and --draft-k disagree"),
+    (["generate", "--prompt", "x", "--prompt-lookup", "--drafter", NO], "generate: --prompt-lookup and --drafter"),
+    (["generate", "--prompt", "x", "--prompt-lookup", "--tree", "5"], "generate: --prompt-lookup and --tree 5"),
+    (["serve", "--prompt-lookup", "--drafter", NO], "serve: --prompt-lookup and --drafter disagree"),
+    (["bench", "--prompt-lookup", "--drafter", NO], "bench: --prompt-lookup and --drafter disagree"),
+    (["parity", "--block-size", "4", "--tree", "7"], "parity: --block-size 4 and --tree 7 disagree"),
+]
+
+
+@pytest.mark.parametrize("argv, says", DISAGREEING_FLAGS, ids=[" ".join(a) for a, _ in DISAGREEING_FLAGS])
+def test_flags_that_disagree_are_one_error_line_naming_both(capsys, monkeypatch, argv, says):
+    from mlx_glimmer import cli
+
+    monkeypatch.setitem(cli.COMMANDS, argv[0], lambda args: pytest.fail("the flags were taken"))
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, says)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x", "--tree", "7", "--block-size", "auto"],
+        ["generate", "--prompt", "x", "--tree", "off", "--block-size", "4"],
+        ["generate", "--prompt", "x", "--tree", "auto", "--block-size", "4"],
+        ["generate", "--prompt", "x", "--no-spec", "--tree", "off"],
+        ["chat", "--no-spec", "--tree", "7", "--no-history"],  # a preset: /spec on drafts with it
+        ["serve", "--no-spec", "--block-size", "4"],  # a request may set speculative: true
+        ["serve", "--no-spec", "--prompt-lookup"],
+        ["parity", "--block-size", "4"],  # chains of 4: the default tree is for a parity run without a width
+    ],
+    ids=" ".join,
+)
+def test_flags_that_agree_pass_the_checks(argv):
+    from mlx_glimmer.cli import CHECKS, build_parser
+    from mlx_glimmer.torch_backend.cli import PARITY_TREE, parity_tree
+
+    args = build_parser().parse_args(argv)
+    CHECKS[argv[0]](args)
+    if argv[0] == "parity":
+        assert parity_tree(args) == "off"
+        assert parity_tree(build_parser().parse_args(["parity"])) == PARITY_TREE
+
+
+def test_settings_refuse_a_fixed_tree_with_a_fixed_block_size_and_a_change_wins_over_the_other():
+    from mlx_glimmer.settings import GenerationSettings, SettingsConflict
+    from mlx_glimmer.tui.chat_settings import Settings
+
+    with pytest.raises(SettingsConflict) as e:
+        GenerationSettings(block_size=1, tree=7)
+    assert e.value.fields == ("block_size", "tree") and "block_size 1 and tree 7 disagree" in str(e.value)
+    with pytest.raises(SettingsConflict):
+        GenerationSettings().updated(block_size=1, tree=7)
+    assert GenerationSettings(block_size=4).updated(tree=7).block_size == "auto"
+    assert GenerationSettings(tree=7).updated(block_size=4).tree == "auto"
+    assert GenerationSettings(block_size=4).updated(tree="off").block_size == 4
+    assert Settings.of(block_size=4).with_changes(tree=9).generation.block_size == "auto"  # the chat's /tree 9
+
+
+def test_a_fixed_tree_reports_the_width_it_verifies(muse_pair):
+    result = mlx_glimmer.generate(muse_pair, "Hello", max_tokens=12, tree=3)
+    assert result.stats.block_size == 4 and result.stats.block_policy == "fixed"
+    assert max(result.stats.verify_widths) <= 4
+
+
+def test_an_empty_prompt_is_an_empty_user_message_with_chat_and_refused_without(bundle, capsys, monkeypatch):
+    """The chat template makes a prompt of an empty user message; a raw empty prompt has nothing to condition
+    on. `generate --chat` and `chat` send an empty message alike, and an empty system prompt is left out by both."""
+    import io
+
+    from mlx_glimmer.cli import build_parser
+    from mlx_glimmer.tui.app import ChatApp
+
+    assert main(["generate", str(bundle), "--chat", "--prompt", "", "--max-tokens", "3", "--json"]) == 0
+    empty = json.loads(capsys.readouterr().out)
+    assert empty["prompt_tokens"] > 0 and empty["generated_tokens"] >= 1
+    argv = ["generate", str(bundle), "--chat", "--system", "", "--prompt", "", "--max-tokens", "3", "--json"]
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["token_ids"] == empty["token_ids"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["generate", str(bundle), "--chat", "--prompt", "-", "--max-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == empty["token_ids"]
+    assert main(["generate", str(bundle), "--prompt", ""]) == 2
+    assert_one_error_line(capsys.readouterr().err, "generate: --prompt is empty", "with --chat")
+
+    started = []
+    monkeypatch.setattr(ChatApp, "run", lambda app: started.append(app))
+    assert main(["chat", str(bundle), "", "--no-history"]) == 0
+    assert main(["chat", "", "--no-history"]) == 0  # an empty word is a message, not the current directory
+    assert main(["chat", str(bundle), "--system", "", "--no-history"]) == 0
+    assert [(a.first_message, a.source) for a in started] == [
+        ("", str(bundle)),
+        ("", "the demo pair"),
+        (None, str(bundle)),
+    ]
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    helps = {a.dest: a.help for a in generate._actions}
+    assert "refused without --chat" in helps["prompt"] and "empty user message" in helps["prompt"]
+    assert "an empty one is left out" in helps["system"]
 
 
 def test_chat_flags_carry_the_tree_into_the_chat_settings():

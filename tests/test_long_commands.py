@@ -52,9 +52,11 @@ def test_bench_runs_each_width_once_per_tree_setting_and_names_the_methods_by_bo
 
     # a fixed width verifies chains under tree "auto": it runs once, as "off"
     assert spec_methods(["auto", 16], ["auto", "off"]) == ["spec_bauto_tauto", "spec_bauto_toff", "spec_b16_toff"]
-    assert spec_methods(["auto", 4], [8]) == ["spec_bauto_t8", "spec_b4_t8"]
-    s = method_settings("spec_b16_t8", 32)
-    assert (s.block_size, s.tree, s.speculative, s.max_tokens) == (16, 8, True, 32)
+    # a tree of N nodes sets the width itself (block size "auto" only): a fixed width with it runs as "auto"
+    assert spec_methods(["auto", 4], [8]) == ["spec_bauto_t8"]
+    assert spec_methods([4, 16], [8, "off"]) == ["spec_bauto_t8", "spec_b4_toff", "spec_b16_toff"]
+    s = method_settings("spec_bauto_t8", 32)
+    assert (s.block_size, s.tree, s.speculative, s.max_tokens) == ("auto", 8, True, 32)
     s = method_settings("spec_bauto_toff", 32)
     assert (s.block_size, s.tree) == ("auto", "off")
     assert not method_settings("plain", 32).speculative

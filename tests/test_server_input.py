@@ -224,6 +224,45 @@ def test_a_request_without_tree_takes_the_servers_and_one_with_it_its_own():
             assert request_settings(parse(model, {**body, "tree": tree}), server, 3, None)[0].tree == tree
 
 
+DISAGREEING = [
+    (chat(tree=63, block_size=1), ("block_size", "tree"), "block_size 1 and tree 63 disagree"),
+    ({"prompt": "hi", "max_tokens": 2, "tree": 7, "block_size": 4}, ("block_size", "tree"), "block_size 4 and tree 7"),
+    (chat(speculative=False, tree=7), ("speculative", "tree"), "speculative false and tree 7 disagree"),
+    (chat(speculative=False, block_size=4), ("speculative", "block_size"), "speculative false and block_size 4"),
+]
+
+
+@pytest.mark.parametrize("body, fields, says", DISAGREEING, ids=[d[2] for d in DISAGREEING])
+def test_request_fields_that_disagree_are_a_400_naming_both(client, body, fields, says):
+    r, elapsed = post(client, COMPLETIONS if "prompt" in body else CHAT, body)
+    assert r.status_code == 400, r.text
+    assert_contract(r, elapsed)
+    error = r.json()["error"]
+    assert says in error["message"] and all(f in error["message"] for f in fields), error
+    assert error["param"] == fields[0]
+
+
+def test_a_tree_verifies_its_own_width_and_reports_it(client):
+    """A tree of N nodes with block_size auto: every round verifies at most N + 1 tokens, as the answer says."""
+    r, _ = post(client, CHAT, chat(tree=3, max_tokens=8))
+    assert r.status_code == 200, r.text
+    assert r.json()["glimmer"]["block_size"] == 4
+
+
+def test_a_requests_fixed_tree_or_block_size_wins_over_the_servers_other_one():
+    """`serve --block-size 4` and a request's `tree: 7` (or `serve --tree 7` and `block_size: 4`): the request's
+    field wins and the server's disagreeing default goes back to auto, so the answer reports what ran."""
+    for server, field, value, other in (
+        (GenerationSettings(max_tokens=4, block_size=4), "tree", 7, "block_size"),
+        (GenerationSettings(max_tokens=4, tree=7), "block_size", 4, "tree"),
+    ):
+        for model, body in ((ChatCompletionRequest, {"messages": ASK}), (CompletionRequest, {"prompt": "hi"})):
+            settings = request_settings(parse(model, {**body, field: value}), server, 3, None)[0]
+            assert getattr(settings, field) == value and getattr(settings, other) == "auto"
+    fine = request_settings(parse(CompletionRequest, {"prompt": "hi", "tree": "off", "block_size": 4}), server, 3, None)
+    assert (fine[0].block_size, fine[0].tree) == (4, "off")
+
+
 def test_metrics_count_tokens_verified_tree_rounds_and_accepted_path_sources(client):
     names = {line.split()[2] for line in client.get("/metrics").text.splitlines() if line.startswith("# TYPE")}
     assert {"glimmer_tokens_verified_total", "glimmer_tree_rounds_total", "glimmer_accepted_path_rounds_total"} <= names

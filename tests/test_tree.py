@@ -585,11 +585,7 @@ def test_a_stop_token_inside_an_accepted_tree_path_stops_there(muse_pair, plain)
 
 def test_chain_drafters_ignore_the_tree_setting(muse_pair, plain):
     oracle = OracleDrafter(len(PROMPT), plain, {i for i in range(N_TOKENS) if i % 9 == 4}, muse_pair.target.vocab_size)
-    steps = list(
-        generate_steps(
-            muse_pair.target, PROMPT, GenerationSettings(max_tokens=100, block_size=8, tree=15), drafter=oracle
-        )
-    )
+    steps = list(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=100, tree=15), drafter=oracle))
     assert tokens_of(steps) == plain[:100] and not any(s.tree for s in steps)
 
 

@@ -278,9 +278,9 @@ def test_the_status_line_shows_the_tree_setting_next_to_the_block():
         drafter=SimpleNamespace(kind="dflash"),
     )
     line = status_line(
-        Settings.of(block_size=8, tree=5), pair, reasoning_supported=False, saving_delayed=False, busy=False
+        Settings.of(block_size=8, tree="off"), pair, reasoning_supported=False, saving_delayed=False, busy=False
     )
-    assert "dflash block 8 tree 5" in line
+    assert "dflash block 8 tree off" in line
 
 
 class FakeTokenizer:

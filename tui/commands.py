@@ -184,8 +184,14 @@ def has_no_drafter(app) -> bool:
 def set_block_size(app, value: int | str) -> None:
     if has_no_drafter(app):
         raise CommandError("this model has no drafter; the block size does not apply")
-    app.update_settings(block_size=value)
-    app.note(f"Block size {value}.", "info")
+    tree = app.settings.generation.tree
+    app.update_settings(block_size=value)  # a fixed block size puts a fixed tree back to auto
+    back = (
+        " Draft trees back to auto (a tree of N nodes sets the width itself)."
+        if tree != app.settings.generation.tree
+        else ""
+    )
+    app.note(f"Block size {value}.{back}", "info")
 
 
 CHAIN_DRAFTERS = ("draft-model", "prompt-lookup")  # drafters that propose chains only (no per-position scores)
@@ -194,13 +200,19 @@ CHAIN_DRAFTERS = ("draft-model", "prompt-lookup")  # drafters that propose chain
 def set_tree(app, value: int | str) -> None:
     if has_no_drafter(app):
         raise CommandError("this model has no drafter; draft trees do not apply")
-    app.update_settings(tree=value)
+    block = app.settings.generation.block_size
+    app.update_settings(tree=value)  # a fixed tree puts a fixed block size back to auto
+    back = (
+        " Block size back to auto (a tree of N nodes sets the width itself)."
+        if block != app.settings.generation.block_size
+        else ""
+    )
     what = {AUTO: "auto (a chain or a tree, per round)", OFF: "off (chains only)"}.get(value, f"{value} nodes")
     chains = app.pair is not None and app.pair.drafter.kind in CHAIN_DRAFTERS
     note = (
         f" (a {app.pair.drafter.kind} drafter verifies chains; trees need DFlash, DFlash2 or DSpark)" if chains else ""
     )
-    app.note(f"Draft trees {what}.{note}", "info")
+    app.note(f"Draft trees {what}.{note}{back}", "info")
 
 
 def set_speculative(app, value: bool) -> None:

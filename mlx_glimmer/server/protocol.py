@@ -26,7 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..chat_template import REASONING_LEVELS
 from ..generate import GenerationStats
-from ..settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, OFF, SEED_LIMIT, GenerationSettings, SamplingError
+from ..settings import (
+    AUTO,
+    MAX_LOGPROBS,
+    SEED_LIMIT,
+    GenerationSettings,
+    SamplingError,
+    check_together,
+    tree_value,
+)
 
 
 class APIError(Exception):
@@ -156,11 +164,14 @@ class CommonFields(BaseModel):
     @classmethod
     def tree_value(cls, value):
         """One message for every wrong `tree` (a union's per-member messages would not say what it takes)."""
-        if value is None or value in (AUTO, OFF) or (type(value) is int and 1 <= value <= MAX_TREE_NODES):
+        if value is None:
             return value
-        got = repr(value) if isinstance(value, str) else json.dumps(value)
-        got = got if len(got) <= 40 else got[:39] + "…"
-        raise ValueError(f"must be 'auto', 'off' or a whole number in [1, {MAX_TREE_NODES}], got {got}")
+        try:
+            return tree_value(value)  # the spellings `--tree` takes
+        except SamplingError as e:
+            got = repr(value) if isinstance(value, str) else json.dumps(value)
+            got = got if len(got) <= 40 else got[:39] + "…"
+            raise ValueError(f"{e.rule}, got {got}") from None
 
 
 # `chat_template_kwargs` keys refused with a 400: the arguments of `apply_chat_template` itself and the
@@ -430,7 +441,11 @@ def request_settings(
         )
     else:
         max_tokens = asked
+    own = {"speculative": req.speculative, "block_size": req.block_size, "tree": req.tree}
     try:
+        # the request's own fields must agree with each other; one that disagrees with a server default wins
+        # over it (`GenerationSettings.updated`)
+        check_together({k: v for k, v in own.items() if v is not None})
         settings = defaults.updated(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -442,8 +457,8 @@ def request_settings(
             tree=req.tree,
             logprobs=logprobs_asked(req),
         )
-    except SamplingError as e:
-        raise APIError(400, f"{e.field}: {e}", param=e.field) from None
+    except SamplingError as e:  # a conflict names both fields in its message, the first as `param`
+        raise APIError(400, str(e) if len(e.fields) > 1 else f"{e.field}: {e}", param=e.field) from None
     return settings, stop_strings(req.stop)
 
 

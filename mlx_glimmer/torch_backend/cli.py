@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from ..errors import GlimmerError
-from ..flags import positive_int, tree_arg
-from ..settings import AUTO
+from ..flags import checked, positive_int, tree_arg
+from ..settings import AUTO, OFF, GenerationSettings
 
 PARITY_TREE = 15  # draft-tree nodes per round in `parity` by default: a fixed shape both backends verify alike
 
@@ -23,6 +23,15 @@ def parity_tree_arg(text: str) -> int | str:
     tree = tree_arg(text)
     if tree == AUTO:
         raise argparse.ArgumentTypeError("'auto' cannot be compared across backends: give N or 'off'")
+    return tree
+
+
+def parity_tree(args) -> int | str:
+    """The tree `parity` compares: --tree as given; else chains where --block-size fixes their width, and
+    `PARITY_TREE` nodes where it does not. A fixed --block-size with --tree N disagree (a tree sets the width
+    itself: `settings.FIXED_TREE_RULE`)."""
+    tree = args.tree if args.tree is not None else (OFF if args.block_size is not None else PARITY_TREE)
+    checked("parity", lambda: GenerationSettings(block_size=args.block_size or AUTO, tree=tree))
     return tree
 
 
@@ -115,13 +124,19 @@ def add_parity_parser(sub) -> None:
     p.add_argument(
         "--full", action="store_true", help="the full check: 8 prompts x 128 tokens (~20 min on a 2-core CPU)"
     )
-    p.add_argument("--block-size", type=positive_int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="chains of this width, tree off unless --tree says otherwise (default: the drafter's block size)",
+    )
     p.add_argument(
         "--tree",
         type=parity_tree_arg,
-        default=PARITY_TREE,
-        help=f"draft-tree nodes per round on both backends, or 'off' for chains (default {PARITY_TREE}; 'auto' "
-        "is refused: its choices follow timings, which differ between the backends)",
+        default=None,
+        help=f"draft-tree nodes per round on both backends, or 'off' for chains (default {PARITY_TREE}, or off with "
+        "--block-size; N goes without --block-size: a tree sets the width itself; 'auto' is refused: its choices "
+        "follow timings, which differ between the backends)",
     )
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, without the chat template")
     add_torch_flags(p)
@@ -147,7 +162,7 @@ def cmd_parity(args, open_pair) -> int:
         prompts,
         max_tokens=max_tokens,
         block_size=args.block_size,
-        tree=args.tree,
+        tree=parity_tree(args),
         chat=not args.no_chat,
         source=str(args.bundle),
         log=lambda line: print(line.splitlines()[0], file=sys.stderr, flush=True),

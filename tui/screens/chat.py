@@ -91,7 +91,7 @@ class ChatScreen(Screen):
             history.processed = []
         if history.processed:
             self.start_rebuild()
-        elif app.first_message:
+        elif app.first_message is not None:
             self.ask(app.first_message)
             app.first_message = None
 
@@ -141,7 +141,7 @@ class ChatScreen(Screen):
         else:
             self.note(f"Cache rebuilt: {message.tokens} tokens in {message.seconds:.1f} s.", "info")
         self.set_status()
-        if app.first_message:
+        if app.first_message is not None:
             self.ask(app.first_message)
             app.first_message = None
 
