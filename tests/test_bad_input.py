@@ -416,6 +416,7 @@ DISTILL_EXAMPLES = [
     (["--init", "target:5,x"], "--init target:5,x: not 'target:' and comma-separated target layer numbers"),
     (["--init", "target:1,2"], "--init target:1,2: names 2 layers for a 1-layer drafter"),
     (["--init", "target:6"], "--init target:6: layers [6] out of range for a 6-layer target"),
+    (["--init", "target:1,1", "--layers", "3"], "--init target:1,1: layers [1] named more than once"),
     (["--seed", "-1"], "argument --seed: must be in [0, 2**63)"),
     (["--train-tags", "greedy,warm"], "--train-tags 'greedy,warm': tags are greedy, followup or t<temperature>"),
     (["--context-scale", "layer"], "argument --context-scale: invalid choice: 'layer'"),

@@ -165,9 +165,9 @@ def add_distill_parser(sub) -> None:
         "--init",
         default="random",
         help="warm start: random (default); target (the drafter starts as the target's last --layers layers, "
-        "fc passing the deepest captured layer on); target:L1,L2,... (those target layers, in order; fewer than "
-        "--layers grow by identity layers); or a drafter directory to fine-tune (one with fewer layers than "
-        "--layers grows by identity layers)",
+        "fc passing the deepest captured layer on); target:L1,L2,... (those target layers, in order, each once; "
+        "fewer than --layers grow by identity layers); or a drafter directory to fine-tune (one with fewer layers "
+        "than --layers grows by identity layers)",
     )
     p.add_argument(
         "--train-backend",

@@ -53,7 +53,8 @@ def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> li
     """The target layers an `init` of "target" or "target:L1,L2,..." starts the drafter from, in drafter layer
     order; None for any other init. Plain "target" takes the target's last `drafter_layers` layers: the layers
     that turn the deepest features into next-token predictions, which is the drafter's job too. A list shorter
-    than the drafter grows it by identity layers."""
+    than the drafter grows it by identity layers. A layer named twice is refused: two drafter layers starting
+    as copies of one target layer is almost surely a typo, and the report would not say so."""
     if init == "target":
         return list(range(max(0, target_layers - drafter_layers), target_layers))
     if not init.startswith("target:"):
@@ -64,6 +65,9 @@ def target_init_layers(init: str, target_layers: int, drafter_layers: int) -> li
     bad = [i for i in ids if not i < target_layers]
     if bad:
         raise GlimmerError(f"--init {init}: layers {bad} out of range for a {target_layers}-layer target")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise GlimmerError(f"--init {init}: layers {twice} named more than once; name each target layer once")
     if len(ids) > drafter_layers:
         raise GlimmerError(f"--init {init}: names {len(ids)} layers for a {drafter_layers}-layer drafter")
     return ids
