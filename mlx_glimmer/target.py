@@ -284,6 +284,13 @@ class Target:
         hidden, _ = self.forward(self.tokens(tokens), self.make_cache(reserve=16), capture=False)
         return np.array(self.head(hidden[-1:]).astype(mx.float32))[0]
 
+    def forward_batch(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """Whole sequences [B, W] (right-padded) through the decoder without a cache, causal: final hidden states
+        [B, W, H] and the captured layers' outputs [B, W, k*H] (what `distill` trains on)."""
+        self.recorder.active = bool(self.recorder.layer_ids)
+        hidden = self.model.model(tokens)
+        return hidden, self.recorder.features()
+
     def forward(
         self, tokens: mx.array, cache: list, capture: bool, tree: mlx_tree.DraftTree | None = None
     ) -> tuple[mx.array, mx.array | None]:

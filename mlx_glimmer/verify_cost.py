@@ -9,16 +9,15 @@ widths it measured (`VerifyCost.widths`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import platform
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from .cpu import chip_name
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
 # Measured before the first answer, and the only widths a round verifies (`VerifyCost.widths`).
@@ -134,28 +133,6 @@ def measure_verify_cost(
                 target.trim(cache, width)
             cost.seconds[band_of(context)][width - 1] = best
     return cost
-
-
-@functools.lru_cache(maxsize=None)
-def chip_name() -> str:
-    """The processor by name ("Apple M4 Max", "AMD EPYC 7B13"): verify costs measured on one chip do not
-    carry over to another of the same architecture."""
-    if sys.platform == "darwin":
-        try:
-            out = subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            if out:
-                return out
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def library_version(target) -> str:

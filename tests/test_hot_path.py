@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 from test_host_reads import blocking, per_step  # noqa: F401 (a fixture)
 
+from mlx_glimmer.cpu import chip_name
 from mlx_glimmer.drafters.context import ContextCache
 from mlx_glimmer.drafters.draft_model import DraftModelDrafter
 from mlx_glimmer.drafters.prompt_lookup import PromptLookupDrafter
 from mlx_glimmer.sampling import probabilities
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
-from mlx_glimmer.verify_cost import calibration_key, chip_name, library_version
+from mlx_glimmer.verify_cost import calibration_key, library_version
 
 PROMPT = [256] + list(b"Once upon a time")
 

@@ -38,13 +38,13 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_glimmer
+from mlx_glimmer.cpu import chip_name
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import read_records
 from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures, stored_sequences
 from mlx_glimmer.distill.step import TrainConfig
 from mlx_glimmer.distill.train import Trainer
 from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
-from mlx_glimmer.verify_cost import chip_name
 
 OLD_COMMIT = "c12d381"
 

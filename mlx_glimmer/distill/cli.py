@@ -174,8 +174,25 @@ def add_distill_parser(sub) -> None:
         choices=["auto", "mlx", "torch"],
         default="auto",
         help="training step: mlx (our MLX drafter; the fast one on Apple silicon) or torch (transformers' "
-        "assistant class, bfloat16 autocast, torch.compile; the fast one on a Linux CPU). auto: torch on "
+        "assistant class, torch.compile, precision by --train-precision; the fast one on a Linux CPU). auto: torch on "
         "Linux when installed, mlx elsewhere",
+    )
+    p.add_argument(
+        "--feature-source",
+        choices=["auto", "mlx:float32", "torch:float32", "torch:bfloat16"],
+        default="auto",
+        help="who computes the target's features (once per run, stored in OUT/features): the MLX target or the "
+        "same weights on torch, several sequences per forward. auto (default): the store's own source when "
+        "resuming, else the fastest measured here on a sample of the run's sequences (bfloat16 is timed only "
+        "on a CPU with bfloat16 instructions)",
+    )
+    p.add_argument(
+        "--train-precision",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="torch training step: matmuls under bfloat16 autocast or in float32 (weights and optimizer state "
+        "stay float32 either way). auto (default): bfloat16 on a CPU with bfloat16 instructions, float32 "
+        "elsewhere (emulated bfloat16 runs several times slower)",
     )
     p.add_argument(
         "--no-compile",

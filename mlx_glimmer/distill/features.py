@@ -14,16 +14,17 @@ Disk bound: tokens x k x H x 2 bytes (SmolLM2 with 5 context layers: 5.8 KB
 per token, 8.6 GB for 1.5M tokens); memory: one chunk of sequences at a time
 (the OS pages the memmap). Interrupted runs resume at the first chunk not done.
 
-Who computes them is a `FeatureSource`: the MLX target itself, one sequence at
-a time (`MLXFeatures`, float32: what the drafter sees at inference), or the
-same weights on torch in batches under bfloat16 (`torch_backend`'s
-`TorchTarget.features`): on a CPU with AMX that is the difference between
-hours and minutes for a million tokens, at the cost of bfloat16 rounding in the
-training inputs only.
+Who computes them is a `FeatureSource`: the MLX target (`MLXFeatures`, float32, what the drafter
+sees at inference) or the same weights on torch (`TorchFeatures`, float32 or bfloat16), each several
+right-padded sequences per forward (under causal attention a real position never sees the padding after
+it). `pick_feature_source` measures the candidates this machine offers on the run's own sequences and keeps
+the fastest; bfloat16 is a candidate only on a CPU that multiplies it in hardware (`cpu.native_bfloat16`).
+A store keeps the source it was computed with, and a resumed run continues with it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -33,6 +34,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from ..cpu import native_bfloat16
+from ..errors import GlimmerError
 from ..target import Target
 
 
@@ -49,6 +52,7 @@ def target_features_and_hidden(target: Target, ids: list[int]) -> tuple[mx.array
 
 class FeatureSource(Protocol):
     name: str  # recorded with the features: a store computed by another source is recomputed
+    spec: str  # how --feature-source names it
     chunk: int  # sequences per call
 
     def __call__(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -58,34 +62,57 @@ class FeatureSource(Protocol):
     def capture(self, layer_ids: tuple[int, ...]) -> None: ...
 
 
-class MLXFeatures:
-    name, chunk = "mlx float32", 1
+def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped for batched forwards: sorted by length, each group's padded size (rows x longest) at most
+    `batch_tokens` (a longer sequence goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and (end - start + 1) * lengths[order[end]] <= batch_tokens:
+            end += 1
+        groups.append(order[start:end])
+        start = end
+    return groups
 
-    def __init__(self, target: Target):
+
+class MLXFeatures:
+    """The MLX target itself, float32 (what the drafter reads at inference), several sequences per forward."""
+
+    name, spec = "mlx float32", "mlx:float32"
+
+    def __init__(self, target: Target, batch_tokens: int = 4096, chunk: int = 64):
         self.target = target
+        self.batch_tokens, self.chunk = batch_tokens, chunk
 
     def capture(self, layer_ids) -> None:
         self.target.capture(tuple(layer_ids))
 
     def __call__(self, sequences):
-        return [tuple(np.asarray(x) for x in target_features_and_hidden(self.target, s)) for s in sequences]
+        out: list = [None] * len(sequences)
+        for group in length_groups([len(s) for s in sequences], self.batch_tokens):
+            width = max(len(sequences[i]) for i in group)
+            ids = mx.array([sequences[i] + [0] * (width - len(sequences[i])) for i in group], dtype=mx.uint32)
+            hidden, feats = self.target.forward_batch(ids)
+            hidden, feats = np.asarray(hidden.astype(mx.float16)), np.asarray(feats.astype(mx.float16))
+            for row, i in enumerate(group):
+                out[i] = (feats[row, : len(sequences[i])], hidden[row, : len(sequences[i])])
+        return out
 
 
 class TorchFeatures:
-    """The bundle's target on torch (CPU, bfloat16), several sequences per forward, sorted by length."""
+    """The bundle's target on torch (CPU), float32 or bfloat16, several sequences per forward."""
 
-    chunk = 64
-
-    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16"):
+    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16", chunk: int = 64):
         import torch
 
         from ..torch_backend.loading import load_torch
 
-        self.name = f"torch {dtype}"
+        self.name, self.spec = f"torch {dtype}", f"torch:{dtype}"
         self.target = load_torch(
             target=target_path, use_drafter=False, device="cpu", dtype=getattr(torch, dtype)
         ).target
-        self.batch_tokens = batch_tokens
+        self.batch_tokens, self.chunk = batch_tokens, chunk
 
     def capture(self, layer_ids) -> None:
         self.target.capture(tuple(layer_ids))
@@ -94,17 +121,69 @@ class TorchFeatures:
         import torch
 
         out: list = [None] * len(sequences)
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= self.batch_tokens:
-                end += 1
-            group = order[start:end]
+        for group in length_groups([len(s) for s in sequences], self.batch_tokens):
             for i, (f, h) in zip(group, self.target.features([sequences[i] for i in group])):
                 out[i] = (f.to(dtype=torch.float16).numpy(), h.to(dtype=torch.float16).numpy())
-            start = end
         return out
+
+
+SOURCES = ("mlx:float32", "torch:float32", "torch:bfloat16")
+
+
+def candidate_sources() -> list[str]:
+    """The sources worth timing here: MLX always; torch when installed, in bfloat16 only where the CPU
+    multiplies bfloat16 in hardware (emulated, it runs several times slower than float32)."""
+    out = ["mlx:float32"]
+    if importlib.util.find_spec("torch") is not None and sys.platform != "darwin":
+        out.append("torch:float32")
+        if native_bfloat16():
+            out.append("torch:bfloat16")
+    return out
+
+
+def make_feature_source(spec: str, target: Target, target_path: Path) -> FeatureSource:
+    """A source by its spec (one of `SOURCES`)."""
+    if spec == "mlx:float32":
+        return MLXFeatures(target)
+    if spec in ("torch:float32", "torch:bfloat16"):
+        if importlib.util.find_spec("torch") is None:
+            raise GlimmerError(f"--feature-source {spec}: torch is not installed (pip install torch)")
+        return TorchFeatures(target_path, dtype=spec.split(":")[1])
+    raise GlimmerError(f"--feature-source {spec}: expected auto or one of {', '.join(SOURCES)}")
+
+
+def pick_feature_source(
+    target: Target,
+    target_path: Path,
+    sequences: list[list[int]],
+    layer_ids: list[int],
+    candidates: list[str] | None = None,
+    sample_tokens: int = 2048,
+    log=sys.stderr,
+) -> FeatureSource:
+    """The fastest of `candidates` (default `candidate_sources()`) on this machine, timed on the run's own
+    sequences: each computes about `sample_tokens` tokens once to warm up and once timed."""
+    candidates = candidates or candidate_sources()
+    if len(candidates) == 1:
+        return make_feature_source(candidates[0], target, target_path)
+    sample, total = [], 0
+    for s in sorted(sequences, key=len)[len(sequences) // 2 :]:  # typical lengths, not the shortest
+        if total >= sample_tokens:
+            break
+        sample.append(s)
+        total += len(s)
+    timed = []
+    for spec in candidates:
+        source = make_feature_source(spec, target, target_path)
+        source.capture(tuple(layer_ids))
+        source(sample)
+        tic = time.perf_counter()
+        source(sample)
+        timed.append((total / (time.perf_counter() - tic), spec, source))
+    rate, spec, best = max(timed, key=lambda t: t[0])
+    rates = ", ".join(f"{s} {r:.0f}" for r, s, _ in timed)
+    print(f"[features] timed on {total} tokens (tokens/s): {rates}; computing with {spec}", file=log, flush=True)
+    return best
 
 
 def stored_sequences(
@@ -123,6 +202,39 @@ def stored_sequences(
         and (not teacher or (meta.get("teacher", False) and (Path(directory) / "teacher.f16").is_file()))
     )
     return int(meta["done"]) if same else 0
+
+
+def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
+    """The spec of the source that computed the features `directory` holds for these sequences and layers (None
+    when it holds none of them)."""
+    meta_path = Path(directory) / "features.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    name = meta.get("source", MLXFeatures.name)
+    if meta.get("layer_ids") != list(layer_ids) or meta.get("lengths") != list(lengths) or not meta.get("done"):
+        return None
+    return name.replace(" ", ":")
+
+
+def choose_feature_source(
+    spec: str,
+    directory: Path,
+    target: Target,
+    target_path: Path,
+    sequences: list[list[int]],
+    layer_ids: list[int],
+    log=sys.stderr,
+) -> FeatureSource:
+    """`--feature-source`: a named source, or `auto`: the source the store in `directory` was computed with when
+    it holds some of these sequences (a resumed run goes on as it began), else the fastest measured here."""
+    if spec != "auto":
+        return make_feature_source(spec, target, target_path)
+    stored = stored_source(directory, [len(s) for s in sequences], layer_ids)
+    if stored in candidate_sources():
+        print(f"[features] resuming the store computed with {stored}", file=log, flush=True)
+        return make_feature_source(stored, target, target_path)
+    return pick_feature_source(target, target_path, sequences, layer_ids, log=log)
 
 
 class FeatureStore:
@@ -167,32 +279,49 @@ class FeatureStore:
         tmp.write_text(json.dumps({**meta, "teacher": self.teacher}))
         tmp.rename(self.meta_path)
 
-    def ensure(self, log=sys.stderr, every_s: float = 30.0) -> None:
-        """Compute the features of every sequence not done yet (resumable)."""
+    def ensure(self, log=sys.stderr) -> None:
+        """Compute the features of every sequence not done yet (resumable: saved after every chunk, so a killed
+        pass restarts at the first chunk not done). A bar on `log` shows tokens, rate and ETA."""
         if self.done >= len(self.sequences):
             return
+        from tqdm import tqdm
+
+        if self.done:
+            print(f"[features] resuming at sequence {self.done}/{len(self.sequences)}", file=log, flush=True)
         self.source.capture(tuple(self.layer_ids))
-        tic = last = time.perf_counter()
-        start, tokens = self.done, 0
-        while self.done < len(self.sequences):
-            i, j = self.done, min(self.done + self.source.chunk, len(self.sequences))
-            for k, (feats, hidden) in zip(range(i, j), self.source(self.sequences[i:j])):
-                self.data[self.offsets[k] : self.offsets[k + 1]] = feats
-                if self.hidden is not None:
-                    self.hidden[self.offsets[k] : self.offsets[k + 1]] = hidden
-            tokens += int(self.offsets[j] - self.offsets[i])
-            self.done = j
-            if time.perf_counter() - last > every_s or self.done == len(self.sequences):
+        total = int(self.offsets[-1])
+        bar = tqdm(
+            total=total,
+            initial=int(self.offsets[self.done]),
+            unit="tok",
+            unit_scale=True,
+            desc=f"features ({self.source.name})",
+            file=log,
+            mininterval=1.0 if log.isatty() else 30.0,
+            dynamic_ncols=True,
+        )
+        start = self.done
+        try:
+            while self.done < len(self.sequences):
+                i, j = self.done, min(self.done + self.source.chunk, len(self.sequences))
+                for k, (feats, hidden) in zip(range(i, j), self.source(self.sequences[i:j])):
+                    self.data[self.offsets[k] : self.offsets[k + 1]] = feats
+                    if self.hidden is not None:
+                        self.hidden[self.offsets[k] : self.offsets[k + 1]] = hidden
+                self.done = j
                 self._save_meta()
-                last = time.perf_counter()
-                rate = tokens / (last - tic)
-                print(
-                    f"[features] {self.done}/{len(self.sequences)} sequences ({rate:.0f} tokens/s)",
-                    file=log,
-                    flush=True,
-                )
+                bar.update(int(self.offsets[j] - self.offsets[i]))
+        finally:
+            bar.close()
         if start == self.done:
             self._save_meta()
+        rate = bar.format_dict["rate"]
+        print(
+            f"[features] {self.done}/{len(self.sequences)} sequences, {total} tokens"
+            + (f" ({rate:.0f} tokens/s)" if rate else ""),
+            file=log,
+            flush=True,
+        )
 
     def get(self, i: int) -> np.ndarray:
         if i >= self.done:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cpu import native_bfloat16
+from ..drafters.dflash import dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..paths import DATA_DIR
 from .cli import check_against_target, check_distill_flags, draft_vocab_size, pick_backend, temperatures
@@ -34,9 +36,10 @@ from .data import (
     self_instructions,
 )
 from .evaluate import heldout_acceptance
+from .features import choose_feature_source
 from .prompts import FOLLOW_UPS, build_prompt_set
 from .step import TrainConfig
-from .train import Trainer
+from .train import Trainer, training_sequences
 
 
 def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
@@ -174,11 +177,19 @@ def train_config(args) -> TrainConfig:
         eval_every=args.eval_every,
         seed=args.seed,
         backend=pick_backend(args.train_backend, "--train-backend"),
+        precision=train_precision(args.train_precision),
         compile=not args.no_compile,
         context_scale=args.context_scale,
         soft_labels=args.soft_labels,
         train_tags=tuple(args.train_tags.split(",")) if args.train_tags else None,
     )
+
+
+def train_precision(flag: str) -> str:
+    """`--train-precision auto`: bfloat16 where the CPU multiplies it in hardware, float32 elsewhere."""
+    if flag != "auto":
+        return flag
+    return "bfloat16" if native_bfloat16() else "float32"
 
 
 def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path) -> None:
@@ -187,11 +198,14 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
     target, tok = pair.target, pair.tokenizer
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = train_config(args)
-    source = None
-    if config.backend == "torch":  # its features come from torch too (batched, bfloat16: minutes, not hours)
-        from .features import TorchFeatures
-
-        source = TorchFeatures(pair.target_path)
+    source = choose_feature_source(
+        args.feature_source,
+        out / "features",
+        target,
+        pair.target_path,
+        training_sequences(records),
+        dflash_target_layer_ids(target.num_layers, config.context_layers),
+    )
     trainer = Trainer(target, records, config, out, mask_token_id=mask, feature_source=source)
     if trainer.resume(out / "checkpoint"):
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)

@@ -40,6 +40,7 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 250
     backend: str = "mlx"  # "mlx" or "torch" (see TrainStep)
+    precision: str = "bfloat16"  # torch: "bfloat16" autocast or "float32" matmuls (weights stay float32 either way)
     compile: bool = True  # torch: torch.compile the step, once per context width before the first step (minutes)
     context_multiple: int = 64  # contexts padded to a multiple of this: few distinct shapes, each compiled once
     train_tags: tuple[str, ...] | None = (

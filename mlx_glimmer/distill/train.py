@@ -205,6 +205,16 @@ def load_for_fine_tuning(model: DFlashModel, saved: dict[str, mx.array], source:
     return len(model.layers) - saved_layers
 
 
+def trained_records(records: list[dict]) -> list[dict]:
+    """The answers a run trains on: those with at least two tokens (one anchor and one label)."""
+    return [r for r in records if len(r["response_ids"]) >= 2]
+
+
+def training_sequences(records: list[dict]) -> list[list[int]]:
+    """Prompt + answer token ids of every trained answer, in order: what the feature store holds."""
+    return [r["prompt_ids"] + r["response_ids"] for r in trained_records(records)]
+
+
 class Trainer:
     def __init__(
         self,
@@ -222,8 +232,8 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.log = log
         self.rng = np.random.default_rng(config.seed)
-        kept = [r for r in records if len(r["response_ids"]) >= 2]
-        self.sequences = [r["prompt_ids"] + r["response_ids"] for r in kept]
+        kept = trained_records(records)
+        self.sequences = training_sequences(records)
         self.prompt_lens = [len(r["prompt_ids"]) for r in kept]
         tags = config.train_tags
         self.trained = [i for i, r in enumerate(kept) if tags is None or r.get("tag") in tags]  # drawn for steps
@@ -264,7 +274,13 @@ class Trainer:
             from .torch_step import TorchStep
 
             self.step_fn = TorchStep(
-                self.model, self.drafter_config, self.head, self.embed, config, compile=config.compile
+                self.model,
+                self.drafter_config,
+                self.head,
+                self.embed,
+                config,
+                dtype=config.precision,
+                compile=config.compile,
             )
         else:
             raise GlimmerError(f"backend: {config.backend!r} is neither 'mlx' nor 'torch'")

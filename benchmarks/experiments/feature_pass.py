@@ -1,0 +1,79 @@
+"""Feature-pass throughput: target tokens per second of `distill`'s feature store, by source and precision.
+
+    python benchmarks/experiments/feature_pass.py [BUNDLE] [--data runs/demo2/data/responses.jsonl] [--answers 256]
+        [--sources torch:float32,torch:bfloat16,mlx:float32] [--out benchmarks/experiments/results/feature_pass.json]
+
+Each source computes the features (the outputs of the drafter's target layers, and the final hidden states) of
+the same first `--answers` training sequences (prompt + answer, as `distill` trains on them) into a fresh store
+in a temporary folder, the way `distill` does (`FeatureStore.ensure`), and the wall time of the whole pass is
+divided into the tokens. The first chunk is timed too: what a user waits for is the whole pass. The results
+file names the CPU, its flags that decide the precision (`avx512_bf16`, `amx_bf16`, ...), the BLAS MLX runs on,
+and which of the sources `distill --feature-source auto` would time here (`candidate_sources`) measured fastest. Run it with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle", nargs="?", default=None, help="bundle (default: the demo pair)")
+    ap.add_argument("--data", default=str(ROOT / "runs" / "demo2" / "data" / "responses.jsonl"))
+    ap.add_argument("--answers", type=int, default=256)
+    ap.add_argument("--sources", default="torch:float32,torch:bfloat16,mlx:float32")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "feature_pass.json"))
+    args = ap.parse_args(argv)
+
+    from mlx_glimmer.blas import blas_name, ensure_fast_blas
+    from mlx_glimmer.paths import cache_dir
+
+    ensure_fast_blas(cache_dir() / "blas")  # as the CLI does: MLX on OpenBLAS where one runs here
+
+    from mlx_glimmer.cpu import cpu_facts
+    from mlx_glimmer.demo import demo_bundle
+    from mlx_glimmer.distill.data import read_records
+    from mlx_glimmer.distill.features import FeatureStore, candidate_sources, make_feature_source
+    from mlx_glimmer.distill.train import training_sequences
+    from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
+    from mlx_glimmer.loading import load
+
+    pair = load(args.bundle or demo_bundle(), use_drafter=False)
+    sequences = training_sequences(read_records(Path(args.data))[: args.answers])
+    tokens = sum(len(s) for s in sequences)
+    layer_ids = dflash_target_layer_ids(pair.target.num_layers, 5)
+    rows = []
+    for spec in args.sources.split(","):
+        source = make_feature_source(spec, pair.target, pair.target_path)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = FeatureStore(Path(tmp), pair.target, sequences, layer_ids, source=source, teacher=True)
+            tic = time.perf_counter()
+            store.ensure(log=sys.stderr)
+            seconds = time.perf_counter() - tic
+        rows.append({"source": spec, "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds)})
+    here = [r for r in rows if r["source"] in candidate_sources()]
+    result = {
+        "command": "python benchmarks/experiments/feature_pass.py " + " ".join(argv or sys.argv[1:]),
+        "bundle": str(args.bundle or "demo"),
+        "answers": len(sequences),
+        "target_tokens": tokens,
+        "cpu": cpu_facts(),
+        "blas": blas_name(),
+        "candidates_here": candidate_sources(),
+        "fastest_candidate": max(here, key=lambda r: r["tokens_per_second"])["source"] if here else None,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

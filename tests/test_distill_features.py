@@ -1,0 +1,189 @@
+"""The feature pass: batched sources compute what one sequence at a time computes, a killed pass resumes to the
+same features and the same drafter, and the precision follows what the CPU multiplies in hardware."""
+
+import io
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_glimmer.cpu import native_bfloat16
+from mlx_glimmer.distill.features import (
+    FeatureStore,
+    MLXFeatures,
+    candidate_sources,
+    choose_feature_source,
+    length_groups,
+    stored_source,
+    target_features_and_hidden,
+)
+from mlx_glimmer.distill.run import train_precision
+from mlx_glimmer.distill.step import TrainConfig
+from mlx_glimmer.distill.train import Trainer, training_sequences
+from mlx_glimmer.settings import GenerationSettings
+from mlx_glimmer.speculative import generate_steps
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: the torch steps on one thread
+
+LAYERS = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def records(llama_pair):
+    """The tiny target's greedy answers to prompts of different lengths (so batches are padded)."""
+    out = []
+    for i in range(7):
+        prompt = [256] + list(f"prompt {i}: {'tell me more ' * i}".encode())
+        settings = GenerationSettings(max_tokens=20 + 4 * i)
+        ans = [t for s in generate_steps(llama_pair.target, prompt, settings) for t in s.tokens]
+        out.append({"index": i, "tag": "greedy", "prompt_ids": prompt, "response_ids": ans})
+    return out
+
+
+class Killed(Exception):
+    """What a kill looks like to the code that was running."""
+
+
+class DiesAfter:
+    """A feature source that computes `chunks` chunks, then dies as a killed process would."""
+
+    def __init__(self, source, chunks: int):
+        self.source, self.left = source, chunks
+        self.name, self.spec, self.chunk = source.name, source.spec, source.chunk
+
+    def capture(self, layer_ids):
+        self.source.capture(layer_ids)
+
+    def __call__(self, sequences):
+        if self.left == 0:
+            raise Killed
+        self.left -= 1
+        return self.source(sequences)
+
+
+def test_length_groups_cover_every_sequence_once_within_the_token_budget():
+    lengths = [5, 30, 7, 7, 100, 1, 12]
+    groups = length_groups(lengths, batch_tokens=32)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 32
+
+
+def test_batched_mlx_features_equal_one_sequence_at_a_time(llama_pair, records):
+    sequences = training_sequences(records)
+    source = MLXFeatures(llama_pair.target, batch_tokens=200)  # several padded groups
+    source.capture(LAYERS)
+    batched = source(sequences)
+    for seq, (feats, hidden) in zip(sequences, batched):
+        one_feats, one_hidden = target_features_and_hidden(llama_pair.target, seq)
+        assert feats.shape == (len(seq), len(LAYERS) * llama_pair.target.hidden_size)
+        np.testing.assert_allclose(feats.astype(np.float32), np.asarray(one_feats, dtype=np.float32), atol=2e-2)
+        np.testing.assert_allclose(hidden.astype(np.float32), np.asarray(one_hidden, dtype=np.float32), atol=2e-2)
+
+
+def test_a_killed_feature_pass_resumes_where_it_saved_and_ends_with_the_same_features(llama_pair, records, tmp_path):
+    sequences = training_sequences(records)
+    whole = FeatureStore(
+        tmp_path / "whole", llama_pair.target, sequences, LAYERS, MLXFeatures(llama_pair.target, chunk=2)
+    )
+    whole.ensure(log=io.StringIO())
+
+    dying = DiesAfter(MLXFeatures(llama_pair.target, chunk=2), chunks=2)
+    killed = FeatureStore(tmp_path / "killed", llama_pair.target, sequences, LAYERS, dying)
+    with pytest.raises(Killed):
+        killed.ensure(log=io.StringIO())
+    assert json.loads((tmp_path / "killed" / "features.json").read_text())["done"] == 4
+
+    log = io.StringIO()
+    again = FeatureStore(
+        tmp_path / "killed", llama_pair.target, sequences, LAYERS, MLXFeatures(llama_pair.target, chunk=2)
+    )
+    assert again.done == 4
+    again.ensure(log=log)
+    assert "resuming at sequence 4/7" in log.getvalue()
+    for i in range(len(sequences)):
+        np.testing.assert_array_equal(again.get(i), whole.get(i))
+
+
+def train(llama_pair, records, run, **kw):
+    cfg = TrainConfig(
+        layers=1,
+        context_layers=3,
+        anchors=8,
+        steps=30,
+        warmup=5,
+        eval_every=10**9,
+        checkpoint_every=10,
+        learning_rate=3e-3,
+        compile=False,
+    )
+    trainer = Trainer(llama_pair.target, records, cfg, run, mask_token_id=259, log=io.StringIO(), **kw)
+    trainer.resume(run / "checkpoint")
+    return trainer
+
+
+def test_a_run_killed_in_its_feature_pass_and_again_in_training_ends_with_the_same_drafter(
+    llama_pair, records, tmp_path
+):
+    def source():  # a chunk is 2 sequences, so a kill can land between chunks of this small set
+        return MLXFeatures(llama_pair.target, chunk=2)
+
+    unbroken = train(llama_pair, records, tmp_path / "unbroken", feature_source=source())
+    unbroken.train()
+
+    run = tmp_path / "broken"
+    with pytest.raises(Killed):
+        train(llama_pair, records, run, feature_source=DiesAfter(source(), chunks=2)).train()
+    assert json.loads((run / "features" / "features.json").read_text())["done"] == 4
+    resumed = train(llama_pair, records, run, feature_source=source())
+    resumed.train(until=20)  # the features resume at sequence 4; killed again after the step-20 checkpoint
+    resumed = train(llama_pair, records, run, feature_source=source())
+    assert resumed.step == 20
+    resumed.train()
+
+    a = dict(mx.load(str(tmp_path / "unbroken" / "checkpoint" / "model.safetensors")))
+    b = dict(mx.load(str(run / "checkpoint" / "model.safetensors")))
+    assert a.keys() == b.keys()
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a if k != "draft_vocab") < 1e-5
+
+
+def test_auto_resumes_with_the_source_the_store_was_computed_with(llama_pair, records, tmp_path):
+    pytest.importorskip("torch")
+    sequences = training_sequences(records)
+    directory = tmp_path / "features"
+    assert stored_source(directory, [len(s) for s in sequences], LAYERS) is None
+    first = choose_feature_source(
+        "torch:float32", directory, llama_pair.target, llama_pair.target_path, sequences, LAYERS
+    )
+    first.chunk = 2  # so that a kill lands between chunks of this small set
+    store = FeatureStore(directory, llama_pair.target, sequences, LAYERS, DiesAfter(first, chunks=1))
+    with pytest.raises(Killed):
+        store.ensure(log=io.StringIO())
+    assert stored_source(directory, [len(s) for s in sequences], LAYERS) == "torch:float32"
+    assert stored_source(directory, [len(s) for s in sequences], [1, 2, 3]) is None  # other layers: not this store
+
+    log = io.StringIO()
+    again = choose_feature_source("auto", directory, llama_pair.target, llama_pair.target_path, sequences, LAYERS, log)
+    assert again.spec == "torch:float32" and "resuming the store computed with torch:float32" in log.getvalue()
+
+
+def test_bfloat16_is_native_only_with_the_cpu_instructions_for_it():
+    assert native_bfloat16(frozenset({"avx2", "fma"})) is False
+    assert native_bfloat16(frozenset({"avx512f", "avx512_bf16"})) is True
+    assert native_bfloat16(frozenset({"amx_tile", "amx_bf16"})) is True
+    assert native_bfloat16(frozenset({"asimd", "bf16"})) is True  # Arm
+
+
+def test_precision_auto_follows_the_cpu_and_explicit_choices_stand(monkeypatch):
+    import mlx_glimmer.distill.features as features
+    import mlx_glimmer.distill.run as run
+
+    assert train_precision("float32") == "float32" and train_precision("bfloat16") == "bfloat16"
+    monkeypatch.setattr(run, "native_bfloat16", lambda: False)
+    assert train_precision("auto") == "float32"
+    monkeypatch.setattr(run, "native_bfloat16", lambda: True)
+    assert train_precision("auto") == "bfloat16"
+    if "torch:float32" in candidate_sources():
+        monkeypatch.setattr(features, "native_bfloat16", lambda: False)
+        assert "torch:bfloat16" not in candidate_sources()
