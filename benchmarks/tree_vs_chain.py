@@ -1,15 +1,14 @@
 """Draft tree against draft chain at the same verify width: tokens committed per target forward, greedy.
 
     python benchmarks/tree_vs_chain.py [BUNDLE] [--prompts FILE] [--num-prompts N] [--max-tokens 128]
-                                       [--width 8] [--tree-block-size auto] [--json-out FILE] [--note TEXT]
+                                       [--width 8] [--json-out FILE] [--note TEXT]
 
 For every prompt (default: the 75 held-out prompts, chat template applied as `mlx-glimmer bench` does), three
 greedy runs in turn:
     plain   the target alone (speculative=False): the reference every output is checked against
     chain   a chain of W verified tokens every round (block_size=W, tree="off")
-    tree    a tree of W verified tokens every round: W - 1 nodes under the anchor (tree=W-1; block_size
-            "auto" by default, so the tree may reach as deep as the drafter's block, or W with
-            --tree-block-size W)
+    tree    a tree of W verified tokens every round: W - 1 nodes under the anchor (tree=W-1), as deep as the
+            drafter's block allows
 Tokens per target forward = tokens committed by the target forwards after the prefill / those forwards
 (sum of GenerationStats.acceptance_lengths / target_forwards; the prefill's first token is not counted, a stop
 token is: as demo_acceptance.py counts it). Both speculative runs verify W tokens per forward, so their ratio
@@ -52,12 +51,6 @@ def positive(text: str) -> int:
     return value
 
 
-def block_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    return positive(text)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Draft tree against draft chain at the same verify width W, greedy: tokens committed per target "
@@ -71,12 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=positive, default=128, help="tokens per answer (default 128)")
     ap.add_argument(
         "--width", type=width_arg, default=8, help="verified tokens per round, anchor included, for both (default 8)"
-    )
-    ap.add_argument(
-        "--tree-block-size",
-        type=block_arg,
-        default="auto",
-        help="block_size of the tree run: 'auto' (default; the drafter's whole block to grow the tree from) or W",
     )
     ap.add_argument("--warmup", type=int, default=1, help="warm-up prompts, 16 tokens each method (default 1; 0 none)")
     ap.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
@@ -96,7 +83,7 @@ def method_settings(args) -> dict:
     return {
         "plain": base.updated(speculative=False),
         "chain": base.updated(block_size=args.width, tree="off"),
-        "tree": base.updated(block_size=args.tree_block_size, tree=args.width - 1),
+        "tree": base.updated(tree=args.width - 1),
     }
 
 
