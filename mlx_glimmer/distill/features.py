@@ -62,6 +62,11 @@ class FeatureSource(Protocol):
     def capture(self, layer_ids: tuple[int, ...]) -> None: ...
 
 
+# Sequences per chunk: each chunk is sorted by length before it is cut into batches, so a larger chunk pads less
+# (on the demo answers: 23% padded positions at 64, 9% at 256); and the store saves after each one.
+CHUNK = 256
+
+
 def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped for batched forwards: sorted by length, each group's padded size (rows x longest) at most
     `batch_tokens` (a longer sequence goes alone)."""
@@ -81,7 +86,7 @@ class MLXFeatures:
 
     name, spec = "mlx float32", "mlx:float32"
 
-    def __init__(self, target: Target, batch_tokens: int = 4096, chunk: int = 64):
+    def __init__(self, target: Target, batch_tokens: int = 4096, chunk: int = CHUNK):
         self.target = target
         self.batch_tokens, self.chunk = batch_tokens, chunk
 
@@ -103,7 +108,7 @@ class MLXFeatures:
 class TorchFeatures:
     """The bundle's target on torch (CPU), float32 or bfloat16, several sequences per forward."""
 
-    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16", chunk: int = 64):
+    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16", chunk: int = CHUNK):
         import torch
 
         from ..torch_backend.loading import load_torch
