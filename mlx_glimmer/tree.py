@@ -9,9 +9,9 @@ position; a prefix of depth d scores the sum of its tokens' log-probabilities, s
 below one of its extensions, and the N best prefixes form a tree. They are found without a host read by a
 beam of width N over the depths: each depth keeps its N best prefixes (the N best overall are among them,
 as no prefix outside a depth's N best can have an extension inside them), the global N best of those are
-the tree, and the beam's back-pointers give the parents. Log-probabilities are capped just below zero so a
-child always scores strictly below its parent, whatever the rounding: the chosen set is closed under
-parents.
+the tree, and the beam's back-pointers give the parents. Log-probabilities are capped just below zero (a NaN
+reads as -inf) so a child never scores above its parent, and ties go to the shallower prefix: the chosen
+set is closed under parents whatever the rounding, and with -inf scores too.
 
 The verdict (`verdict`) walks the tree the way the target decodes: at every node the target's own choice
 (its argmax, or a sample drawn with the noise of that node's depth), and a node is accepted when its token
@@ -96,12 +96,14 @@ def best_first(log_probs: mx.array, budget: int, vocab: mx.array | None = None) 
     depth_count, width = log_probs.shape
     top = min(budget, width)  # a prefix's children worth keeping: its position's `top` likeliest tokens
     budget = min(budget, sum(min(budget, top ** (d + 1)) for d in range(depth_count)))
+    log_probs = log_probs.astype(mx.float32)
+    log_probs = mx.where(mx.isnan(log_probs), -mx.inf, log_probs)  # a NaN score (an fp16 head) is impossible
     ids = (
         mx.argpartition(-log_probs, top - 1, axis=-1)[:, :top]
         if top < width
         else mx.broadcast_to(mx.arange(width)[None], (depth_count, width))
     )
-    vals = mx.minimum(mx.take_along_axis(log_probs.astype(mx.float32), ids, axis=-1), _TOP)
+    vals = mx.minimum(mx.take_along_axis(log_probs, ids, axis=-1), _TOP)
     first = mx.argsort(-vals[0])
     missing = budget - top if budget > top else 0  # the beam is `budget` wide; depth 1 has only `top` prefixes
     pad = mx.full((missing,), -mx.inf, mx.float32)
@@ -114,7 +116,7 @@ def best_first(log_probs: mx.array, budget: int, vocab: mx.array | None = None) 
         scores.append(candidates[order])
         toks.append(ids[d][order % top])
         backs.append((order // top).astype(mx.int32))
-    chosen = mx.sort(mx.argsort(-mx.concatenate(scores))[:budget])  # by depth, then beam rank: parents first
+    chosen = _closed_best(mx.concatenate(scores), budget)  # by depth, then beam rank: parents first
     node_depth = (chosen // budget).astype(mx.int32)
     tokens = mx.concatenate(toks)[chosen]
     index_of = mx.zeros((depth_count * budget,), mx.int32)
@@ -124,6 +126,18 @@ def best_first(log_probs: mx.array, budget: int, vocab: mx.array | None = None) 
     if vocab is not None:
         tokens = vocab[tokens]
     return tokens, parents, node_depth + 1
+
+
+def _closed_best(scores: mx.array, budget: int) -> mx.array:
+    """The indices of the `budget` best `scores`, ascending, ties taken in index order. A child never scores
+    above its parent and comes after it (by depth), so the chosen set holds every chosen node's parent even
+    when scores tie (-inf, or a sum that rounds to its parent's score)."""
+    cut = mx.sort(scores)[-budget]  # the budget-th best score
+    above = scores > cut
+    level = scores == cut
+    take = above | (level & (mx.cumsum(level.astype(mx.int32)) <= budget - above.sum()))
+    positions = mx.arange(scores.shape[0])
+    return mx.sort(mx.where(take, positions, positions + scores.shape[0]))[:budget]
 
 
 def model_tree(log_probs: mx.array, budget: int, vocab: mx.array | None = None) -> DraftTree:

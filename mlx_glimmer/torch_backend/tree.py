@@ -80,6 +80,7 @@ def best_first(log_probs: torch.Tensor, budget: int, vocab: torch.Tensor | None 
     top = min(budget, width)
     budget = min(budget, sum(min(budget, top ** (d + 1)) for d in range(depth_count)))
     log_probs = log_probs.float()
+    log_probs = torch.where(log_probs.isnan(), -torch.inf, log_probs)  # a NaN score is impossible, not the best
     if top < width:
         vals, ids = torch.topk(log_probs, top, dim=-1)
     else:
