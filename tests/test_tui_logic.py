@@ -267,6 +267,18 @@ def test_the_tree_command_changes_the_conversations_tree_setting():
         asyncio.run(run_command(FakeApp(None), "/tree 8"))
 
 
+def test_a_fixed_block_size_and_a_fixed_tree_put_each_other_back_to_auto_and_say_so():
+    app = FakeApp()
+    asyncio.run(run_command(app, "/tree 7"))
+    assert app.notes[-1] == "Draft trees 7 nodes."  # the block size was auto: nothing to put back
+    asyncio.run(run_command(app, "/block 4"))
+    assert (app.settings.generation.block_size, app.settings.generation.tree) == (4, "auto")
+    assert app.notes[-1] == "Block size 4. Draft trees back to auto (a tree of N nodes sets the width itself)."
+    asyncio.run(run_command(app, "/tree 15"))
+    assert (app.settings.generation.block_size, app.settings.generation.tree) == ("auto", 15)
+    assert app.notes[-1].endswith("Block size back to auto (a tree of N nodes sets the width itself).")
+
+
 def test_the_status_line_shows_the_tree_setting_next_to_the_block():
     from mlx_glimmer.tui.status import status_line
 

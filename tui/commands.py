@@ -181,16 +181,20 @@ def has_no_drafter(app) -> bool:
     return app.pair is not None and app.pair.drafter is None
 
 
+def update_width_setting(app, name: str, value: int | str, other: str, other_label: str) -> str:
+    """Set `name` (block_size or tree); a fixed one puts the other, if fixed, back to auto. Returns the sentence
+    that says so, or ""."""
+    before = getattr(app.settings.generation, other)
+    app.update_settings(**{name: value})
+    if before == getattr(app.settings.generation, other):
+        return ""
+    return f" {other_label} back to auto (a tree of N nodes sets the width itself)."
+
+
 def set_block_size(app, value: int | str) -> None:
     if has_no_drafter(app):
         raise CommandError("this model has no drafter; the block size does not apply")
-    tree = app.settings.generation.tree
-    app.update_settings(block_size=value)  # a fixed block size puts a fixed tree back to auto
-    back = (
-        " Draft trees back to auto (a tree of N nodes sets the width itself)."
-        if tree != app.settings.generation.tree
-        else ""
-    )
+    back = update_width_setting(app, "block_size", value, "tree", "Draft trees")
     app.note(f"Block size {value}.{back}", "info")
 
 
@@ -200,13 +204,7 @@ CHAIN_DRAFTERS = ("draft-model", "prompt-lookup")  # drafters that propose chain
 def set_tree(app, value: int | str) -> None:
     if has_no_drafter(app):
         raise CommandError("this model has no drafter; draft trees do not apply")
-    block = app.settings.generation.block_size
-    app.update_settings(tree=value)  # a fixed tree puts a fixed block size back to auto
-    back = (
-        " Block size back to auto (a tree of N nodes sets the width itself)."
-        if block != app.settings.generation.block_size
-        else ""
-    )
+    back = update_width_setting(app, "tree", value, "block_size", "Block size")
     what = {AUTO: "auto (a chain or a tree, per round)", OFF: "off (chains only)"}.get(value, f"{value} nodes")
     chains = app.pair is not None and app.pair.drafter.kind in CHAIN_DRAFTERS
     note = (
