@@ -182,8 +182,8 @@ def test_greedy_output_equals_plain_decoding_far_past_the_window(kind, pairs):
     assert [t for s in steps for t in s.tokens] == expected
     drafted = [s.drafted for s in steps[1:]]
     assert max(drafted) == pair.drafter.block_size - 1
-    if kind == "dspark_gated":
-        assert min(drafted) < pair.drafter.block_size - 1  # the confidence head cut some blocks short
+    if kind.startswith("dspark"):  # the confidence threshold is on: 0.5 by default, 0.6 gated
+        assert pair.drafter.config.confidence_threshold == (0.6 if kind == "dspark_gated" else 0.5)
 
 
 def test_dspark_head_without_its_own_embedding_borrows_the_target(family_ckpts, checkpoints, tmp_path):
@@ -214,8 +214,10 @@ def test_dspark_head_without_its_own_embedding_borrows_the_target(family_ckpts, 
     assert [t for s in steps for t in s.tokens] == plain_greedy(pair.target, prompt, 30)
 
 
-def test_dspark_confidence_cut_is_the_reference_prefix_rule(pairs):
-    """Blocks stop before the first draft whose sigmoid(confidence) is below the threshold."""
+def test_dspark_offers_the_whole_block_past_low_confidence(pairs):
+    """Where dspark-mlx would stop the block (before the first draft whose sigmoid(confidence) is below the
+    threshold), the whole block is still offered: the cut would need a host read, and the verify is as wide
+    either way."""
     drafter = pairs["dspark_gated"].drafter
     target = pairs["dspark_gated"].target
     target.capture(drafter.target_layer_ids)
@@ -227,12 +229,11 @@ def test_dspark_confidence_cut_is_the_reference_prefix_rule(pairs):
     for anchor in range(60, 70):
         full, _, conf, _ = drafter.draft_block(anchor, drafter.draft_len)
         probs = 1 / (1 + np.exp(-np.array(conf)))
-        below = np.nonzero(probs < drafter.confidence_threshold)[0]
-        expect = int(below[0]) if below.size else drafter.draft_len
+        below = np.nonzero(probs < drafter.config.confidence_threshold)[0]
+        lengths.append(int(below[0]) if below.size else drafter.draft_len)
         tokens, _ = drafter.propose(anchor, drafter.draft_len, SamplingParams(), None)
-        assert tokens.tolist() == full.tolist()[:expect]
-        lengths.append(expect)
-    assert min(lengths) < drafter.draft_len
+        assert tokens.tolist() == full.tolist()
+    assert min(lengths) < drafter.draft_len  # the reference would have cut some of these blocks
 
 
 @pytest.fixture(scope="module")

@@ -184,6 +184,38 @@ def test_a_tree_round_blocks_on_the_host_once(muse_pair, plain, blocking, params
         assert tokens_of(steps) == plain
 
 
+@pytest.fixture(scope="module")
+def dspark_pair(checkpoints, tmp_path_factory):
+    """A DSpark head with its config's default confidence threshold (0.5), some of whose drafts fall below it."""
+    import family_checkpoints as fc
+
+    import mlx_glimmer
+
+    path = fc.build_dspark(tmp_path_factory.mktemp("dspark") / "dspark", seed=5)
+    return mlx_glimmer.load(target=checkpoints["muse"], drafter=path)
+
+
+@pytest.mark.network  # the reference package writes the checkpoint (from PyPI on first use, then .cache/refpkgs)
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_dspark_round_with_its_confidence_threshold_blocks_on_the_host_once(dspark_pair, blocking, params):
+    drafter, target = dspark_pair.drafter, dspark_pair.target
+    assert drafter.config.confidence_threshold == 0.5
+    blocking.clear()
+    expected = tokens_of(generate_steps(target, PROMPT, GenerationSettings(max_tokens=60)))
+    steps, per = per_step(
+        generate_steps(
+            target, PROMPT, GenerationSettings(params, max_tokens=60, block_size=drafter.block_size), drafter=drafter
+        ),
+        blocking,
+    )
+    assert all(p == ["tolist"] for p in per[1:]), per
+    assert max(s.drafted for s in steps) == drafter.block_size - 1
+    if params.greedy:
+        assert tokens_of(steps) == expected
+    confidence = [mx.sigmoid(drafter.draft_block(t, drafter.draft_len)[2]).min().item() for t in range(60, 70)]
+    assert min(confidence) < 0.5  # dspark-mlx would have cut some of these blocks
+
+
 def test_plain_decoding_reads_once_per_token(muse_pair, plain, blocking):
     steps, per = per_step(generate_steps(muse_pair.target, PROMPT, GenerationSettings(max_tokens=80)), blocking)
     assert all(p == ["tolist"] for p in per[1:]) and tokens_of(steps) == plain

@@ -11,11 +11,12 @@ Qwen3-style layers (q/k RMS-norm, GQA, SiLU MLP). What differs from DFlash:
 - a low-rank Markov bias: logits_i = head(h_i) + W2 W1[previous token],
   chosen left to right (the previous token of position 0 is the anchor);
 - a confidence head: sigmoid(proj([h_i ; W1[previous token]])) estimates
-  whether draft i will be accepted. With `confidence_threshold` > 0 the block
-  stops before the first draft whose confidence is below it (dspark-mlx's
-  `_confident_prefix_length`). That decision depends only on drafts already
-  made, so it is a stopping rule: greedy output and the sampled distribution
-  are unchanged, only the verify width shrinks.
+  whether draft i will be accepted. dspark-mlx's loop reads it on the host and
+  stops the block before the first draft below `confidence_threshold`
+  (`_confident_prefix_length`), only to shrink the verify. Here the block is
+  always offered whole (see `DSparkDrafter.propose`): `confidence_threshold`
+  is read from config.json and checked, and `draft_block` still gives the
+  head's logits, but no round waits on them.
 
 The checkpoint may carry its own `embed_tokens` / `lm_head` (dspark-mlx's
 drafters do); without them the head borrows the target's raw embedding rows
@@ -135,14 +136,10 @@ class DSparkDrafter(BlockDrafter):
 
     kind = "dspark"
 
-    def __init__(self, model: DSparkModel, target, confidence_threshold: float | None = None):
+    def __init__(self, model: DSparkModel, target):
         super().__init__(model, target)
         self.draft_len = int(self.config.block_size)
         self.block_size = self.draft_len + 1
-        self.confidence_threshold = (
-            self.config.confidence_threshold if confidence_threshold is None else float(confidence_threshold)
-        )
-        self.stopped_early = 0  # blocks cut short by the confidence head
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids) if self.config.own_embeddings else self.target.embed(ids)
@@ -189,17 +186,21 @@ class DSparkDrafter(BlockDrafter):
         return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
+        """The block's first `count` drafts (at most `draft_len`), all of them, on the device: nothing is read.
+
+        dspark-mlx cuts the block before the first draft whose confidence is below `confidence_threshold`. That
+        cut depends only on earlier drafts, so it never changes the output; its only use is a narrower verify.
+        But the verify's width is a shape, fixed on the host before the draft exists (the loop queues draft and
+        verify together and reads once per round, after the verdict), so cutting would need a second host read
+        every round, or else verify the whole block anyway and throw away the accepted drafts past the cut:
+        the same cost for fewer tokens. Offering the whole block is the lossless option that reads nothing
+        (greedy output equals plain decoding; rejection sampling over the whole block is exact), and the width
+        is left to whoever decides it on the host: `--block-size`, or the width policy from the acceptance
+        it has read."""
         n = min(count, self.draft_len)
         if n < 1:
             return mx.array([], dtype=mx.uint32), None
-        tokens, _, confidence, probs = self.draft_block(anchor, n, params, key)
-        if self.confidence_threshold > 0:
-            keep = (mx.sigmoid(confidence) >= self.confidence_threshold).astype(mx.int32)
-            length = int(mx.cumprod(keep).sum().item())
-            if length < n:
-                self.stopped_early += 1
-                tokens = tokens[:length]
-                probs = probs[:length] if probs is not None else None
+        tokens, _, _, probs = self.draft_block(anchor, n, params, key)
         return tokens, probs
 
 
