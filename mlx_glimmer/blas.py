@@ -40,6 +40,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cpu import cpu_flags
+
 ENV = "MLX_GLIMMER_BLAS"  # set by the re-exec to the preloaded path; "reference" disables the switch
 SYSTEM_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -143,15 +145,7 @@ sys.exit(0 if list(c) == [1, 2, 3, 4, 5, 6] else 3)
 
 def cpu_signature() -> str:
     """What decides which instructions a library may use here: the machine and its CPU flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{os.uname().machine} {flags}"
+    return f"{os.uname().machine} {' '.join(sorted(cpu_flags()))}"
 
 
 def runs_here(choice: BlasChoice, cache: Path) -> bool:

@@ -9,6 +9,7 @@ float32.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import subprocess
 import sys
@@ -64,8 +65,6 @@ def native_bfloat16(flags: frozenset[str] | None = None) -> bool:
 def cpu_facts() -> dict:
     """What a results file records about the processor: its name, core count, the flags that decide vector
     width and bfloat16 support, and whether bfloat16 is native."""
-    import os
-
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "bf16", "asimd", "sve")
     return {
         "name": chip_name(),

@@ -191,18 +191,26 @@ def pick_feature_source(
     return best
 
 
+def stored_meta(directory: Path, lengths: list[int], layer_ids: list[int]) -> dict | None:
+    """The store's record (features.json) when `directory` holds features of these sequences at these layers,
+    else None."""
+    meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
+    if not meta_path.is_file() or not data_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta.get("layer_ids") != list(layer_ids) or meta.get("lengths") != list(lengths):
+        return None
+    return meta
+
+
 def stored_sequences(
     directory: Path, lengths: list[int], layer_ids: list[int], source_name: str, teacher: bool = False
 ) -> int:
     """How many of these sequences' features `directory` already holds (0 when it holds other sequences, other
     layers, or another source's; with `teacher`, also 0 when it holds no final hidden states)."""
-    meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
-    if not meta_path.is_file() or not data_path.is_file():
-        return 0
-    meta = json.loads(meta_path.read_text())
+    meta = stored_meta(directory, lengths, layer_ids)
     same = (
-        meta.get("layer_ids") == list(layer_ids)
-        and meta.get("lengths") == list(lengths)
+        meta is not None
         and meta.get("source", MLXFeatures.name) == source_name
         and (not teacher or (meta.get("teacher", False) and (Path(directory) / "teacher.f16").is_file()))
     )
@@ -212,14 +220,10 @@ def stored_sequences(
 def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
     """The spec of the source that computed the features `directory` holds for these sequences and layers (None
     when it holds none of them)."""
-    meta_path = Path(directory) / "features.json"
-    if not meta_path.is_file():
+    meta = stored_meta(directory, lengths, layer_ids)
+    if meta is None or not meta.get("done"):
         return None
-    meta = json.loads(meta_path.read_text())
-    name = meta.get("source", MLXFeatures.name)
-    if meta.get("layer_ids") != list(layer_ids) or meta.get("lengths") != list(lengths) or not meta.get("done"):
-        return None
-    return name.replace(" ", ":")
+    return meta.get("source", MLXFeatures.name).replace(" ", ":")
 
 
 def choose_feature_source(
@@ -305,7 +309,6 @@ class FeatureStore:
             mininterval=1.0 if log.isatty() else 30.0,
             dynamic_ncols=True,
         )
-        start = self.done
         try:
             while self.done < len(self.sequences):
                 i, j = self.done, min(self.done + self.source.chunk, len(self.sequences))
@@ -318,8 +321,6 @@ class FeatureStore:
                 bar.update(int(self.offsets[j] - self.offsets[i]))
         finally:
             bar.close()
-        if start == self.done:
-            self._save_meta()
         rate = bar.format_dict["rate"]
         print(
             f"[features] {self.done}/{len(self.sequences)} sequences, {total} tokens"

@@ -21,7 +21,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..cpu import native_bfloat16
-from ..drafters.dflash import dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..paths import DATA_DIR
 from .cli import check_against_target, check_distill_flags, draft_vocab_size, pick_backend, temperatures
@@ -39,7 +38,7 @@ from .evaluate import heldout_acceptance
 from .features import choose_feature_source
 from .prompts import FOLLOW_UPS, build_prompt_set
 from .step import TrainConfig
-from .train import Trainer, training_sequences
+from .train import Trainer, context_layer_ids, training_sequences
 
 
 def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
@@ -204,7 +203,7 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
         target,
         pair.target_path,
         training_sequences(records),
-        dflash_target_layer_ids(target.num_layers, config.context_layers),
+        context_layer_ids(target, config),
     )
     trainer = Trainer(target, records, config, out, mask_token_id=mask, feature_source=source)
     if trainer.resume(out / "checkpoint"):

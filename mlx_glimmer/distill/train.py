@@ -53,6 +53,11 @@ from .features import FeatureSource, FeatureStore
 from .step import Batch, TrainConfig, TrainStep, learning_rate, target_init_layers
 
 
+def context_layer_ids(target: Target, config: TrainConfig) -> list[int]:
+    """The target layers whose outputs the drafter reads (and the feature store holds)."""
+    return dflash_target_layer_ids(target.num_layers, config.context_layers)
+
+
 def drafter_config_for(
     target: Target, train: TrainConfig, mask_token_id: int, draft_vocab_size: int | None
 ) -> DrafterConfig:
@@ -71,7 +76,7 @@ def drafter_config_for(
         sliding_window=2048,
         block_size=train.block_size,
         mask_token_id=mask_token_id,
-        target_layer_ids=dflash_target_layer_ids(target.num_layers, train.context_layers),
+        target_layer_ids=context_layer_ids(target, train),
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
         draft_vocab_size=draft_vocab_size,
@@ -233,7 +238,7 @@ class Trainer:
         self.log = log
         self.rng = np.random.default_rng(config.seed)
         kept = trained_records(records)
-        self.sequences = training_sequences(records)
+        self.sequences = training_sequences(kept)
         self.prompt_lens = [len(r["prompt_ids"]) for r in kept]
         tags = config.train_tags
         self.trained = [i for i, r in enumerate(kept) if tags is None or r.get("tag") in tags]  # drawn for steps
