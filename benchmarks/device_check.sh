@@ -35,10 +35,10 @@
 #   packages), --quick (fewer prompts/tokens). Each step has a timeout, and all of
 #   them share a deadline of $BUDGET seconds (default 520): steps that no longer fit
 #   are skipped, most important first, so the run returns inside the device call.
-# Output: one directory, $OUT if set, else ./device_out (8 files at most, what
+# Output: one directory, $OUT if set, else ./device_out (9 files at most, what
 #   such a machine hands back): summary.txt (environment + one line per step),
 #   log.txt (everything), pytest.txt, parity_tiny.txt, parity_tiny.json,
-#   cuda_checks.txt, demo.txt, demo_parity.json.
+#   cuda_checks.txt, demo.txt, demo_parity.json, engines.txt (the drafter exported for vLLM/SGLang).
 
 set -u
 cd "$(dirname "$0")/.."
@@ -249,6 +249,58 @@ if $GLIMMER bench --help 2>/dev/null | grep -q -- "--backend"; then
   step demo-bench 150 "$OUT/demo.txt" $GLIMMER bench "$DEMO" --backend torch --device "$DEVICE"
 else
   echo "demo-bench: this mlx-glimmer's bench has no --backend flag" | tee -a "$SUMMARY"
+fi
+
+# 7. The pair's drafter exported for the serving engines (docs/export.md), then served by vLLM and SGLang where this
+#    machine has them (neither travels: vLLM's wheel alone is 336 MB and pins its own torch). Acceptance means
+#    something only on a real target (.carry/demo); on the random one the run checks that the engines load the layout.
+: > "$OUT/engines.txt"
+step export-dflash 60 "$OUT/engines.txt" $GLIMMER export "$DEMO" --format dflash --out "$WORK/export-dflash" \
+  --verifier "$DEMO/target"
+step export-speculators 60 "$OUT/engines.txt" $GLIMMER export "$DEMO" --format speculators --out "$WORK/export-spec" \
+  --verifier "$DEMO/target"
+BLOCK=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["block_size"])' "$WORK/export-dflash/config.json" 2>/dev/null)
+BLOCK=${BLOCK:-16}
+if $PY -c "import vllm" 2>/dev/null && [ "$DEVICE" = cuda ]; then
+  # vLLM drafts block_size - 1 tokens (the anchor is the bonus token); `vllm serve TARGET --speculative-config` alike
+  step vllm-dflash 240 "$OUT/engines.txt" $PY - "$DEMO/target" "$WORK/export-dflash" "$BLOCK" <<'EOF'
+import sys
+from vllm import LLM, SamplingParams
+target, drafter, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = LLM(model=target, max_model_len=2048, gpu_memory_utilization=0.5,
+          speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": block - 1})
+out = llm.generate(["Write a short story about a lighthouse keeper."], SamplingParams(temperature=0, max_tokens=64))
+print(repr(out[0].outputs[0].text))
+for metric in llm.get_metrics():
+    if "spec_decode" in metric.name:
+        print(metric.name, getattr(metric, "value", getattr(metric, "values", "")))
+EOF
+else
+  {
+    echo "vllm-dflash: SKIPPED (no vllm here, or not cuda); on a GPU machine with vLLM:"
+    echo "  vllm serve TARGET --speculative-config '{\"method\": \"dflash\", \"model\": \"DFLASH_DIR\", \"num_speculative_tokens\": $((BLOCK - 1))}'"
+    echo "  vllm serve SPECULATORS_DIR"
+  } | tee -a "$SUMMARY"
+fi
+if $PY -c "import sglang" 2>/dev/null && [ "$DEVICE" = cuda ]; then
+  # SGLang counts the anchor among its draft tokens: block_size of them
+  step sglang-dflash 240 "$OUT/engines.txt" $PY - "$DEMO/target" "$WORK/export-dflash" "$BLOCK" <<'EOF'
+import sys
+import sglang as sgl
+target, drafter, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
+engine = sgl.Engine(model_path=target, speculative_algorithm="DFLASH", speculative_draft_model_path=drafter,
+                    speculative_num_draft_tokens=block, mem_fraction_static=0.5)
+out = engine.generate("Write a short story about a lighthouse keeper.", {"temperature": 0, "max_new_tokens": 64})
+meta = out.get("meta_info", {})
+print(repr(out["text"]), "verify rounds", meta.get("spec_verify_ct"), "tokens", meta.get("completion_tokens"))
+engine.shutdown()
+EOF
+else
+  {
+    echo "sglang-dflash: SKIPPED (no sglang here, or not cuda); on a GPU machine with SGLang:"
+    echo "  python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH" \
+      "--speculative-draft-model-path DFLASH_DIR --speculative-num-draft-tokens $BLOCK"
+  } | tee -a "$SUMMARY"
 fi
 
 rm -rf "$WORK"

@@ -20,6 +20,9 @@
 # forwards/token) plus peak memory and the wired limit each method ran under, and writes the JSON to $OUT.
 # For reference (public, self-reported): on M4 Max, Muse 4-bit + assistant at block 16 ran 0.92x, at
 # block 5 1.97x (3.97 tokens per round): the table shows where our widths land on this Mac.
+# Then benchmarks/round_ops.py on the same bundle: the array ops each round shape builds around the target's
+# forward and their time beside the forward's (written beside $OUT as *_round_ops.json). A forward here takes a
+# few milliseconds, so what the loop adds shows: the loop/forward column is the figure to watch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${BUNDLE:-}
@@ -145,3 +148,9 @@ with open(out, "w") as f:
     json.dump(report, f, indent=2)
 print(f"report: {out}")
 PY
+
+# What a round adds around the target's forward, by shape (tree shapes where the drafter seeds trees).
+ROUND_OPS_OUT="${OUT%.json}_round_ops.json"
+echo
+echo "[mac.sh] round ops and overhead by shape -> $ROUND_OPS_OUT" >&2
+python benchmarks/round_ops.py ${BUNDLE:+--bundle "$BUNDLE"} --out "$ROUND_OPS_OUT"

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_glimmer._version import __version__
 from mlx_glimmer.errors import GlimmerError
-from mlx_glimmer.files import BUNDLE_FORMAT
+from mlx_glimmer.files import BUNDLE_FORMAT, publish_directory
 
 from .drafter_plan import plan_drafter
 from .formats import BITS, DEFAULT_MAX_SHARD
@@ -194,29 +192,9 @@ def convert(
             "files": files,
         }
         (staging / "glimmer.json").write_text(json.dumps(manifest, indent=2))
-        _publish(staging, out)
+        publish_directory(staging, out)
     except BaseException:
         progress.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ConvertReport(out, reports, time.perf_counter() - started, dtype)
-
-
-def _publish(staging: Path, out: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp made it private
-    if not (out.exists() or out.is_symlink()):
-        staging.rename(out)
-        return
-    old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
-    out.rename(old)
-    try:
-        staging.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    else:
-        old.unlink()

@@ -11,6 +11,10 @@ detected as the same family).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import mlx.core as mx
+
 from mlx_glimmer.drafters.loading import validate_pair
 from mlx_glimmer.drafters.registry import FAMILIES, family_of
 from mlx_glimmer.errors import GlimmerError
@@ -18,8 +22,46 @@ from mlx_glimmer.files import read_config_json
 
 from .plan import ModelPlan, finish_config, match_weights
 from .quantize import FLOAT_DTYPES, QuantSpec, TensorItem, weight_specs
-from .safetensors_stream import checkpoint_tensors
+from .safetensors_stream import ITEMSIZE, TensorRef, checkpoint_tensors
 from .sources import Source
+
+
+@dataclass(frozen=True)
+class DraftIdsFromOffsets:
+    """`draft_vocab` (draft id -> token id) read from an EAGLE-3-style `d2t` tensor of offsets (token = id +
+    d2t[id]), the form `mlx-glimmer export` writes for the engines; streamed like a `TensorRef`."""
+
+    offsets: TensorRef
+    dtype = "I32"
+    is_float = False
+
+    @property
+    def file(self):
+        return self.offsets.file
+
+    @property
+    def offset(self) -> int:
+        return self.offsets.offset
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.offsets.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes * 4 // ITEMSIZE[self.offsets.dtype]
+
+    def read_rows(self, start: int, stop: int) -> mx.array:
+        return (mx.arange(start, stop) + self.offsets.read_rows(start, stop)).astype(mx.int32)
+
+
+def draft_vocab_from_maps(tensors: dict) -> dict:
+    """An exported drafter's vocabulary maps (`d2t`, and the mask `t2d` it implies) as our `draft_vocab`."""
+    if "d2t" not in tensors:
+        return tensors
+    out = {name: ref for name, ref in tensors.items() if name not in ("d2t", "t2d")}
+    out["draft_vocab"] = DraftIdsFromOffsets(tensors["d2t"])
+    return out
 
 
 def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name: str) -> ModelPlan:
@@ -42,7 +84,7 @@ def plan_drafter(source: Source, target, bits: int, group_size: int, dtype_name:
         cfg.num_target_layers = target.num_layers
     validate_pair(target, cfg, source.path)
     cfg.check(config_path)
-    tensors = family.model_class.sanitize(checkpoint_tensors(source.path))
+    tensors = draft_vocab_from_maps(family.model_class.sanitize(checkpoint_tensors(source.path)))
     if not tensors:
         raise GlimmerError(f"{source.path}: no tensors for the drafter")
     cfg.adopt_weights(tensors)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_prompt_cache
 
-from .tree import attention_mask
+from .tree import mlx_trees
 
 
 class WindowedKVCache(_BaseCache):
@@ -130,7 +130,7 @@ class TreeCacheView:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         window = window_size or (self.cache.window if isinstance(self.cache, WindowedKVCache) else None)
-        return attention_mask(self.tree, stored_before_update(self.cache), window)
+        return mlx_trees.attention_mask(self.tree, stored_before_update(self.cache), window)
 
     def __getattr__(self, name):
         return getattr(self.cache, name)

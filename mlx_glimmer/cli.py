@@ -130,6 +130,7 @@ def build_parser() -> Parser:
     from .convert.cli import add_convert_parser
     from .convert.formats import FLOAT_DTYPE_NAMES
     from .distill.cli import add_distill_parser
+    from .drafters.export import add_export_parser
     from .server.cli import add_serve_parser
     from .torch_backend.cli import add_backend_flags, add_parity_parser
 
@@ -139,6 +140,7 @@ def build_parser() -> Parser:
     add_bench_parser(sub)
     add_distill_parser(sub)
     add_serve_parser(sub)
+    add_export_parser(sub)
 
     d = sub.add_parser(
         "demo",
@@ -259,17 +261,24 @@ def cmd_generate(args) -> int:
         if not prompt.strip() and not args.chat:
             raise GlimmerError("generate: --prompt -: standard input is empty")
     from .generate import calibrate, collect, stream_generate
+    from .ranks import is_lead
     from .torch_backend.cli import open_backend
 
+    # Under mlx.launch every process generates (the target is split across them); rank 0 alone prints.
+    lead = is_lead()
     pair = open_backend(args, open_pair)
-    calibrate(pair, settings, lambda line: print(f"mlx-glimmer: {line}", file=sys.stderr, flush=True))
+    calibrate(
+        pair, settings, (lambda line: print(f"mlx-glimmer: {line}", file=sys.stderr, flush=True)) if lead else None
+    )
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
         prompt = messages
-    result = collect(stream_generate(pair, prompt, settings), on_chunk=None if args.json else show_text)
+    result = collect(stream_generate(pair, prompt, settings), on_chunk=None if args.json or not lead else show_text)
     stats = result.stats
+    if not lead:
+        return 0
     if args.json:
         stats_d = stats.to_dict()
         out = {"text": result.text, "token_ids": result.token_ids, **{k: stats_d[k] for k in JSON_FIELDS}}
@@ -343,6 +352,24 @@ def chat_plan(args):
 
 def cmd_chat(args) -> int:
     bundle, message, settings, given = chat_plan(args)
+    from . import lockstep
+    from .ranks import split_group
+
+    group = split_group()
+    if group is not None and group.rank() > 0:  # the target is split: this process follows rank 0's calls
+        from .follower import follow
+
+        return follow(lambda: open_pair(bundle, args.drafter))
+    code = chat_app(
+        args, bundle, message, settings, given, lambda: lockstep.load(lambda: open_pair(bundle, args.drafter))
+    )
+    # On a failure rank 0 exits non-zero instead, and the launcher ends the others wherever they wait.
+    lockstep.stop()
+    return code
+
+
+def chat_app(args, bundle, message, settings, given, load) -> int:
+    """`chat` on this process: the history's listing, or the app on `load`'s pair."""
     from .tui.store import StoreError, format_list, open_store, resolve
 
     store, warning, resume = None, None, None
@@ -370,7 +397,7 @@ def cmd_chat(args) -> int:
     # The drafter is loaded even with --no-spec, so `/spec on` can turn it on.
     # A resumed chat takes its stored settings, then the flags given here.
     return run(
-        lambda: open_pair(bundle, args.drafter),
+        load,
         settings,
         source=bundle or "the demo pair",
         store=store,
@@ -436,6 +463,22 @@ def cmd_serve(args) -> int:
     return run(args, open_pair)
 
 
+def cmd_export(args) -> int:
+    from .drafters.export import cmd_export as run
+
+    if args.bundle is None:
+        from .demo import demo_bundle
+
+        args.bundle = str(demo_bundle())
+    return run(args)
+
+
+def check_export(args) -> None:
+    from .drafters.export import check_export as run
+
+    run(args)
+
+
 def check_bench(args) -> None:
     from .bench import check_bench_flags
 
@@ -470,6 +513,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "parity": cmd_parity,
     "serve": cmd_serve,
+    "export": cmd_export,
 }
 # What each command checks before the BLAS re-exec and before anything heavy is imported (they import no
 # MLX): every flag the command takes, and the paths it was given.
@@ -481,7 +525,19 @@ CHECKS = {
     "demo": check_demo,
     "serve": check_serve,
     "parity": check_parity,
+    "export": check_export,
 }
+
+
+def check_launch(args) -> None:
+    """Under `mlx.launch` only `generate` on MLX, `serve` and `chat` run, the target split across the
+    processes; any other command is one error (from rank 0). Asked after the BLAS re-exec: MLX's distributed
+    backend starts here, once."""
+    from .ranks import check_split_command, launch_rank
+
+    if launch_rank() is not None:
+        torch = args.command == "generate" and args.backend == "torch"
+        check_split_command(args.command, "--backend torch" if torch else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             from .blas import ensure_fast_blas
 
             ensure_fast_blas(cache_dir() / "blas")
+        check_launch(args)
         return COMMANDS[args.command](args)
     except GlimmerError as e:
         print(f"error: {e}", file=sys.stderr)

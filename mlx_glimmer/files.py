@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,3 +187,26 @@ def check_pair_dirs(path, drafter=None, use_drafter: bool = True) -> PairPaths:
     if paths.drafter is not None:
         check_model_dir(paths.drafter, "drafter")
     return paths
+
+
+def publish_directory(staging: Path, out: Path) -> None:
+    """Put the finished directory `staging` (made private by `tempfile.mkdtemp`) at `out` with the permissions a
+    new directory gets, replacing what is there: the old one is moved aside first and put back if the rename
+    fails, so `out` is never half written."""
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    if not (out.exists() or out.is_symlink()):
+        staging.rename(out)
+        return
+    old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
+    out.rename(old)
+    try:
+        staging.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()

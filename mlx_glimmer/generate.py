@@ -36,12 +36,14 @@ from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 from .block_policy import TREE_WIDTHS, WidthPolicy, describe, width_policy
 from .chat_template import has_chat_template
 from .decode_state import DecodeState
+from .distributed import in_lockstep
 from .drafters.base import Drafter
 from .errors import GlimmerError
 from .logprobs import TokenLogprob
 from .logprobs import prompt_logprobs as target_prompt_logprobs
 from .paths import cache_dir
-from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, GenerationSettings, SamplingError
+from .ranks import split_group
+from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, OFF, GenerationSettings, SamplingError
 from .speculative import generate_steps, tree_setting
 from .target_model import TargetModel
 from .verify_cost import VerifyCost, cached_verify_cost, calibration_key
@@ -279,7 +281,7 @@ def prepare_request(
         block_size = drafter.block_size if drafter is not None else 1
     else:
         block_size = min(settings.block_size, widest_width(drafter)) if drafter is not None else settings.block_size
-    fixed_tree = isinstance(tree_setting(drafter, settings), int)
+    fixed_tree = isinstance(tree_setting(pair.target, drafter, settings), int)
     policy = None
     if settings.auto and drafter is not None and drafter.block_size > 1 and not fixed_tree:
         policy = auto_policy(pair, drafter, settings)
@@ -317,9 +319,9 @@ def _remember(table: dict, owner, value) -> None:
     table[id(owner)] = (weakref.ref(owner, lambda _, k=id(owner): table.pop(k, None)), value)
 
 
-def _tree_widths(drafter: Drafter, settings: GenerationSettings) -> tuple[int, ...]:
+def _tree_widths(target: TargetModel, drafter: Drafter, settings: GenerationSettings) -> tuple[int, ...]:
     """The tree budgets `auto` may choose: none when the drafter drafts chains only or trees are off."""
-    if tree_setting(drafter, settings) != AUTO:
+    if tree_setting(target, drafter, settings) != AUTO:
         return ()
     return tuple(w for w in TREE_WIDTHS if w <= MAX_TREE_NODES + 1)
 
@@ -335,9 +337,10 @@ def _verify_cost(pair: GenerationPair, width: int, on_measure: Callable[[str], N
         key = calibration_key(
             pair.target, Path(pair.target_path).resolve(), stamp, type(pair.target).__name__, pair.device_key
         )
-        cost = cached_verify_cost(
-            pair.target, width, pair.target.vocab_size, key, cache_dir() / "verify_cost", on_measure
-        )
+        # Split across processes, every process measures at once (each forward sums across them all): never
+        # one process from its disk and another live.
+        directory = cache_dir() / "verify_cost" if split_group() is None else None
+        cost = cached_verify_cost(pair.target, width, pair.target.vocab_size, key, directory, on_measure)
         _remember(_COSTS, pair.target, {**costs, width: cost})
     return cost
 
@@ -356,10 +359,14 @@ def calibrate(
     """Have the verify cost `auto` needs for `settings` ready now. The first run on a machine times a few
     widths (about a second on the demo pair); a caller that shows progress calls this after loading and
     passes `on_measure`, which hears one line before any timing starts. Without it, the first generation
-    measures silently."""
+    measures silently. `on_measure` also hears, in one line, why draft trees are off where the drafter could
+    seed them but the target cannot verify them (`TargetModel.tree_unsupported`)."""
     drafter = pair.drafter if settings.speculative else None
+    refusal = pair.target.tree_unsupported
+    if on_measure is not None and refusal and drafter is not None and drafter.has_marginals and settings.tree != OFF:
+        on_measure(f"draft trees off, chains only: {refusal}")
     if drafter is not None and settings.auto and drafter.block_size > 1:
-        _verify_cost(pair, max((drafter.block_size, *_tree_widths(drafter, settings))), on_measure)
+        _verify_cost(pair, max((drafter.block_size, *_tree_widths(pair.target, drafter, settings))), on_measure)
 
 
 def auto_policy(pair: GenerationPair, drafter: Drafter, settings: GenerationSettings) -> WidthPolicy:
@@ -367,12 +374,12 @@ def auto_policy(pair: GenerationPair, drafter: Drafter, settings: GenerationSett
     from the drafter's previous generation that weighed the same tree budgets. Kept apart per tree budgets: a
     generation with trees off learns nothing of trees or the lookup, and must not make the next one with trees
     on start from nothing there (nor hand it acceptance learnt where the lookup never drafted)."""
-    tree_widths = _tree_widths(drafter, settings)
+    tree_widths = _tree_widths(pair.target, drafter, settings)
     cost = _verify_cost(pair, max((drafter.block_size, *tree_widths)))
     remembered = _recall(_POLICIES, drafter) or {}
     policy = width_policy(drafter.block_size, cost, remembered.get(tree_widths), tree_widths)
     _remember(_POLICIES, drafter, {**remembered, tree_widths: policy})
-    return policy
+    return in_lockstep(policy)
 
 
 def chunks_from_steps(

@@ -20,13 +20,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .blas import blas_name, check_fast_blas
+from .distributed import split_target
 from .drafters.base import Drafter
 from .drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from .errors import GlimmerError
 from .few_rows import FEW_ROWS, on_cpu
 from .files import check_model_dir, check_weight_files, pair_paths
+from .ranks import split_group
 from .settings import MAX_DRAFT_K, check_draft_k
 from .target import Target
+from .tree_check import guard_trees
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
 
@@ -95,7 +98,9 @@ def open_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
     return load_tokenizer(path, eos_token_ids=eos)
 
 
-def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
+def load_target(path: Path, group: mx.distributed.Group | None = None) -> tuple[Target, TokenizerWrapper]:
+    """The target at `path`; with `group` (processes started by `mlx.launch`), its decoder layers split over
+    them (`distributed.py`), loaded lazily so each process reads only its share into memory."""
     path = Path(path)
     config = read_target_config(path)
     try:
@@ -105,9 +110,11 @@ def load_target(path: Path) -> tuple[Target, TokenizerWrapper]:
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not supported by mlx-lm"
         ) from None
     try:
-        model, config = load_model(path, get_model_classes=_text_tower_classes)
+        model, config = load_model(path, lazy=group is not None, get_model_classes=_text_tower_classes)
     except ValueError as e:
         raise GlimmerError(f"{path}: target weights do not match its config.json ({e})") from None
+    if group is not None:
+        return split_target(model, config, group, path), open_tokenizer(path, config)
     return Target(model, config), open_tokenizer(path, config)
 
 
@@ -148,11 +155,13 @@ def load(
     `prompt_lookup=True` drafts by n-gram lookup instead (`draft_k`, default 10). `draft_k` is at most
     `settings.MAX_DRAFT_K` (16).
     `use_drafter=False` skips drafting (plain decoding only).
+    With a drafter that can seed draft trees, a small tree verify is checked against chains first
+    (`tree_check.guard_trees`): where they disagree, the target verifies chains only.
     """
     check_draft_k(draft_k)
     check_fast_blas()
     paths = pair_paths(path, target, drafter, use_drafter)
-    tgt, tokenizer = load_target(paths.target)
+    tgt, tokenizer = load_target(paths.target, split_group())
     drafter_path = paths.drafter
     if prompt_lookup and use_drafter:
         from .drafters.prompt_lookup import PromptLookupDrafter
@@ -161,4 +170,5 @@ def load(
     else:
         d = load_drafter(drafter_path, tgt, tokenizer, draft_k=draft_k) if drafter_path is not None else None
     mx.eval(tgt.model.parameters())
+    guard_trees(tgt, d)
     return Pair(tgt, d, tokenizer, paths.target, drafter_path)

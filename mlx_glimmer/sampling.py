@@ -2,15 +2,18 @@
 
 Filters apply in the order transformers uses: temperature, then top-k, then
 top-p (the smallest set of most likely tokens whose mass reaches top_p). The
-same `probabilities` function shapes the target's and the drafter's logits, so
-rejection sampling compares like with like and the output follows the
-target's filtered distribution exactly.
+same `probabilities` function shapes the target's and the drafter's logits.
+A sample is Gumbel-max with noise keyed by the seed and the token's absolute
+position (`noise.py`): a draft is kept where it equals the target's own
+sample, so a seed gives the same text with or without drafts.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from . import noise
+from .array_ops import MLX_OPS
 from .settings import SamplingParams
 
 
@@ -42,18 +45,24 @@ def argmax(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """One token id per row of `probs` ([..., V] -> [...])."""
-    return mx.random.categorical(mx.log(probs), key=key)
+def sample(probs: mx.array, where: noise.Noise) -> mx.array:
+    """One token id per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`."""
+    return noise.gumbel_max(MLX_OPS, probs, where)
 
 
-def pick(target, logits, params: SamplingParams, key) -> tuple:
-    """One token per row of `logits`: the argmax, or a sample with the filtered distribution it came from.
-    On `target`'s own array library (a `target_model.TargetModel`: its `sampling` ops do the work)."""
+def gumbel_scores(probs: mx.array, where: noise.Noise) -> mx.array:
+    """[n, V]: `noise.gumbel_scores`, whose row argmaxes are `sample`'s tokens."""
+    return noise.gumbel_scores(MLX_OPS, probs, where)
+
+
+def pick(target, logits, params: SamplingParams, where: noise.Noise | None) -> tuple:
+    """One token per row of `logits`: the argmax, or the sample of row i's position `where.start + i` with the
+    filtered distribution it came from. On `target`'s own array library (a `target_model.TargetModel`: its
+    `sampling` ops do the work)."""
     if params.greedy:
         return target.sampling.argmax(logits), None
     probs = target.sampling.probabilities(logits, params)
-    return target.sampling.sample(probs, key), probs
+    return target.sampling.sample(probs, where), probs
 
 
 def spread(probs: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
@@ -67,7 +76,8 @@ def greedy_verdict(draft: mx.array, target_logits: mx.array) -> mx.array:
     """Exact-match acceptance, lazily. `draft` [n], `target_logits` [n + 1, V].
 
     Returns int32 [accepted drafts, the target's own next token after them], not evaluated: the loop reads
-    it together with the draft in its one host read per round.
+    it together with the draft in its one host read per round. Sampled, `target_logits` are the target's
+    Gumbel scores (`gumbel_scores`): the same rule keeps exactly the drafts the target samples.
     """
     choice = mx.argmax(target_logits, axis=-1).astype(mx.int32)
     n = draft.shape[0]
@@ -78,54 +88,7 @@ def greedy_verdict(draft: mx.array, target_logits: mx.array) -> mx.array:
     return mx.stack([accepted, choice[accepted]])
 
 
-def sampled_verdict(
-    draft: mx.array,
-    draft_probs: mx.array | None,
-    target_probs: mx.array,
-    key: mx.array,
-) -> mx.array:
-    """Speculative rejection sampling (Leviathan et al. / Chen et al.), lazily.
-
-    `draft` [n] tokens drawn from `draft_probs` [n, V] (None: drawn
-    deterministically, i.e. one-hot); `target_probs` [n + 1, V]. Draft token i
-    is kept with probability min(1, p_i(d) / q_i(d)); at the first rejection the
-    replacement is drawn from max(0, p_i - q_i) renormalised; if all are kept
-    the extra token comes from p_n. Returns int32 [accepted drafts, next token], not evaluated.
-    """
-    n = draft.shape[0]
-    k_accept, k_token = mx.random.split(key)
-    if n == 0:
-        return mx.stack([mx.array(0, dtype=mx.int32), sample(target_probs[0], k_token).astype(mx.int32)])
-    rows = mx.arange(n)
-    p = target_probs[rows, draft]
-    if draft_probs is None:
-        q = mx.ones_like(p)
-        q_full = mx.zeros_like(target_probs[:n])
-        q_full = mx.put_along_axis(q_full, draft[:, None], mx.ones((n, 1)), axis=-1)
-    else:
-        q = draft_probs[rows, draft]
-        q_full = draft_probs
-    u = mx.random.uniform(shape=(n,), key=k_accept)
-    keep = (u * q < p).astype(mx.int32)  # u < p/q without dividing by q == 0
-    accepted = mx.cumprod(keep).sum()
-    residual = mx.maximum(target_probs[:n] - q_full, 0.0)
-    residual = mx.concatenate([residual, target_probs[n:]], axis=0)[accepted]
-    total = residual.sum()
-    # A residual of zero mass only arises when p == q exactly; then p itself is right.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[accepted])
-    token = sample(residual, k_token)
-    return mx.stack([accepted, token.astype(mx.int32)])
-
-
 def accept_greedy(draft: mx.array, target_logits: mx.array) -> tuple[int, int]:
     """`greedy_verdict`, read: (accepted drafts, the target's own next token after them)."""
     accepted, token = greedy_verdict(draft, target_logits).tolist()
-    return int(accepted), int(token)
-
-
-def accept_sampled(
-    draft: mx.array, draft_probs: mx.array | None, target_probs: mx.array, key: mx.array
-) -> tuple[int, int]:
-    """`sampled_verdict`, read: (accepted drafts, next token)."""
-    accepted, token = sampled_verdict(draft, draft_probs, target_probs, key).tolist()
     return int(accepted), int(token)

@@ -37,18 +37,20 @@ from .decode_state import DecodeState, Step, resume
 from .drafters.base import Drafter
 from .drafters.prompt_lookup import Match, PromptLookupDrafter
 from .logprobs import logprob_top, one_row_logprobs, path_logprobs, read_one_row, read_table
+from .noise import Noise
 from .sampling import pick
 from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
 from .target_model import Array, TargetModel
 from .tree import LOOKUP, SOURCE_NAMES, DraftTree, Path
 
 
-def _verdict(target: TargetModel, logits: Array, draft: Array, draft_probs, params: SamplingParams, key) -> Array:
-    """[accepted drafts, next token] on the device, not read yet."""
+def _verdict(target: TargetModel, logits: Array, draft: Array, params: SamplingParams, noise: Noise) -> Array:
+    """[accepted drafts, next token] of a chain on the device, not read yet: drafts are kept while they equal
+    the target's own choice, its argmax or, sampled, its sample of that position (`noise`: the first's)."""
     ops = target.sampling
     if params.greedy:
         return ops.greedy_verdict(draft, logits)
-    return ops.sampled_verdict(draft, draft_probs, ops.probabilities(logits, params), key)
+    return ops.greedy_verdict(draft, ops.gumbel_scores(ops.probabilities(logits, params), noise))
 
 
 @dataclass
@@ -83,26 +85,33 @@ class _Proposers:
     drafter: Drafter
     lookup: PromptLookupDrafter | None
     depth: int  # the deepest draft the drafter proposes (its block minus the anchor)
-    lookup_share: float = 0.5  # of a tree's budget, what the n-gram branch may take (follows its acceptance)
+    policy: WidthPolicy | None = None  # weighs the lookup's branch against the drafter's nodes
+    no_draft: DraftTree | None = None  # a width-1 round's draft (`empty_draft`)
 
     def lookup_branch(self, anchor: int, budget: int, remaining: int) -> Match:
-        """The n-gram continuation after `anchor` for a tree of `budget` nodes (no tokens when nothing matches)."""
+        """The n-gram continuation after `anchor` for a tree of `budget` nodes (no tokens when nothing matches):
+        as long as the width policy's acceptance says it beats the drafter's nodes depth by depth
+        (`WidthPolicy.branch_length`); with no policy weighing the lookup (a fixed tree), half the budget."""
         if self.lookup is None:
             return Match([], 0)
-        match = self.lookup.indexed_match(anchor, min(max(1, int(budget * self.lookup_share)), remaining - 1))
-        return match if match.ngram >= LOOKUP_MIN_NGRAM else Match([], 0)
+        match = self.lookup.indexed_match(anchor, min(budget, remaining - 1))
+        if self.policy is None or not self.policy.lookup:
+            return Match(match.tokens[: max(1, budget // 2)], match.ngram)
+        return Match(match.tokens[: self.policy.branch_length(match.ngram, len(match.tokens), budget)], match.ngram)
 
-    def learn(self, offered: int, kept: int) -> None:
-        """A round offered `offered` lookup nodes and its accepted path held `kept` of them: the branch's share
-        moves toward 1/4 of the budget when it is never kept and 3/4 when it always is."""
-        if offered:
-            self.lookup_share = 0.8 * self.lookup_share + 0.2 * (0.25 + 0.5 * kept / offered)
+    def empty_draft(self, target: TargetModel) -> DraftTree:
+        """The draft of a width-1 round, built once a generation: a plain round's graph is its forward and
+        its verdict alone."""
+        if self.no_draft is None:
+            self.no_draft = target.trees.chain(target.tokens([]))
+        return self.no_draft
 
 
-def tree_setting(drafter: Drafter | None, settings: GenerationSettings) -> int | str:
-    """The tree setting that applies: `settings.tree`, or "off" where nothing drafts or the drafter drafts
-    chains only (it has no per-position distributions)."""
-    if drafter is None or not settings.speculative or not drafter.has_marginals:
+def tree_setting(target: TargetModel, drafter: Drafter | None, settings: GenerationSettings) -> int | str:
+    """The tree setting that applies: `settings.tree`, or "off" where nothing drafts, the drafter drafts
+    chains only (it has no per-position distributions) or the target cannot verify trees
+    (`TargetModel.tree_unsupported`)."""
+    if drafter is None or not settings.speculative or not drafter.has_marginals or target.tree_unsupported:
         return OFF
     return settings.tree
 
@@ -128,14 +137,14 @@ def generate_steps(
     prompt = list(prompt)
     drafter = drafter if settings.speculative else None
     block_size = _block_size(drafter, settings)
-    trees = tree_setting(drafter, settings) != OFF
+    trees = tree_setting(target, drafter, settings) != OFF
     params, max_tokens = settings.sampling, settings.max_tokens
     stop = set(int(t) for t in stop_ids)
     state = state if state is not None else DecodeState()
     done = _open(target, prompt, settings, drafter, state, policy)
     state.owner = owner = object()
     state.reused_tokens = done
-    key = target.new_key(settings.seed)
+    noise = Noise(settings.seed, len(prompt))  # the first token's: it sits at index len(prompt)
     memory = target.memory
     top = logprob_top(target, settings)
 
@@ -145,9 +154,8 @@ def generate_steps(
     todo = prompt[done:]
     for hidden in _prefill_chunks(target, state, todo, drafter, prefill_step):
         pass
-    key, sub = target.split(key, 1)
     logits = target.head(hidden[-1:])
-    verdict = _verdict(target, logits, target.tokens([]), None, params, sub)
+    verdict = _verdict(target, logits, target.tokens([]), params, noise)
     values = target.read(verdict, one_row_logprobs(target, logits, verdict[1:2], top))
     first = values[1]
     memory.clear()
@@ -162,15 +170,15 @@ def generate_steps(
     if step.stopped or max_tokens == 1:
         return
     if drafter is None:
-        yield from _plain_steps(target, state, owner, first, params, key, max_tokens - 1, stop, top)
+        yield from _plain_steps(target, state, owner, first, params, noise.at(1), max_tokens - 1, stop, top)
         return
     lookup = None
     if trees:
         lookup = PromptLookupDrafter(draft_k=MAX_TREE_NODES, min_ngram=1)
         lookup.observe(prompt, None)
     settings = settings.with_verify_width(block_size)
-    proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0)
-    yield from _speculative_steps(target, state, owner, proposers, first, settings, key, stop, policy)
+    proposers = _Proposers(drafter, lookup, drafter.block_size - 1 if trees else 0, policy)
+    yield from _speculative_steps(target, state, owner, proposers, first, settings, noise, stop, policy)
 
 
 def prefill(
@@ -213,7 +221,7 @@ def _open(
     """Ready `state` for generating after `prompt` (`drafter`: None unless speculative): the target captures
     what the drafter reads, and the cache keeps room to roll back the widest verify the generation may run
     (`_resume`). Returns how many prompt tokens the cache already holds."""
-    tree = tree_setting(drafter, settings)
+    tree = tree_setting(target, drafter, settings)
     offered = policy.shapes() if policy is not None else []  # the widest verify the cache must roll back
     widest = max(_block_size(drafter, settings), tree + 1 if isinstance(tree, int) else 1, *(s.width for s in offered))
     if drafter is not None:
@@ -247,13 +255,7 @@ def _prefill_chunks(
         yield hidden
 
 
-# The shortest n-gram of the context that puts its continuation into a draft tree: single tokens match
-# everywhere in prose, and a branch that is rarely right takes budget from the model's nodes. The continuation
-# verified alone takes single-token matches too: its acceptance is learnt per match length.
-LOOKUP_MIN_NGRAM = 2
-
-
-def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, remaining: int, params, key):
+def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape, remaining: int, params, noise):
     """The round's drafts on the device: a tree (the drafter's best prefixes and the lookup's branch) or a
     chain (the drafter's or the lookup's); the chain's draft distributions (None: a tree, or drafted
     deterministically); the lookup's match it holds (no tokens: none)."""
@@ -266,7 +268,7 @@ def _draft(target: TargetModel, proposers: _Proposers, anchor: int, shape: Shape
         # A tree of `budget` nodes is at most `budget` deep: a shorter block costs the drafter less.
         marginals = proposers.drafter.marginals(anchor, min(proposers.depth, remaining - 1, budget))
         return target.trees.merged_tree(marginals.log_probs, budget, match.tokens, marginals.vocab), None, match
-    draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, key)
+    draft, draft_probs = proposers.drafter.propose(anchor, shape.width - 1, params, noise)
     return target.trees.chain(target.tokens(draft)), draft_probs, Match([], 0)
 
 
@@ -276,7 +278,7 @@ def _launch(
     cache,
     capture: bool,
     params: SamplingParams,
-    keys: tuple,
+    noise: Noise,
     anchor: int | None,
     anchor_ids: Array,
     shape: Shape,
@@ -284,43 +286,33 @@ def _launch(
     remaining: int,
     top: int | None = None,
 ) -> _Round:
-    """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict. `keys`: the
-    draft's and the verdict's random keys (None when greedy); `remaining`: tokens still to generate; `top`: the
+    """Queue one round: propose (width > 1), then the verify of [anchor, drafts] and its verdict. `noise`: the
+    sampling noise of the round's first new token (the draft's and the verdict's: a drafter that samples its
+    draft with it proposes what the target samples wherever their distributions agree); `remaining`: tokens still to generate; `top`: the
     alternatives of each committed token's log-probability (None: none computed)."""
-    k_draft, k_accept = keys
     tic = time.perf_counter()
-    draft, draft_probs, timed, match = target.trees.chain(target.tokens([])), None, True, Match([], 0)
+    draft, draft_probs, timed, match = proposers.empty_draft(target), None, True, Match([], 0)
     inputs = anchor_ids
     if shape.width > 1 and remaining > 1:
         # A long backlog (a prompt's features the drafter could not settle during the prefill) makes
         # this round's time unrepresentative: the policy then learns only its acceptance.
         timed = shape.lookup or proposers.drafter.backlog <= block_size
         # A drafter may offer fewer tokens than asked (adaptive k, no n-gram match).
-        draft, draft_probs, match = _draft(target, proposers, anchor, shape, remaining, params, k_draft)
+        draft, draft_probs, match = _draft(target, proposers, anchor, shape, remaining, params, noise)
         target.launch(draft.tokens, draft_probs)
         inputs = target.join(anchor_ids, draft.tokens)
     draft_s = time.perf_counter() - tic
     hidden, feats = target.forward(inputs, cache, capture, None if draft.chain else draft)
     logits = target.head(hidden)
-    if draft.chain and not params.greedy:  # a chain keeps rejection sampling: it accepts more than a walk
-        ops = target.sampling
-        judged = ops.sampled_verdict(draft.tokens, draft_probs, ops.probabilities(logits, params), k_accept)
+    if draft.chain:
+        # Judged along the chain, as plain decoding judges its one token: no ancestor matrix, no tree walk.
+        judged = _verdict(target, logits, draft.tokens, params, noise)
         verdict = target.trees.chain_verdict(draft, judged)
     else:
-        verdict = target.trees.verdict(draft, logits, params, k_accept)
+        verdict = target.trees.verdict(draft, logits, params, noise)
     logprobs = None if top is None else target.trees.round_logprobs(logits, draft, verdict, top)
     target.launch(verdict, logprobs)
     return _Round(shape, draft, feats, verdict, draft_s, timed, len(match.tokens), match.ngram, logprobs, top or 0)
-
-
-def _round_keys(target: TargetModel, key, greedy: bool) -> Iterator[tuple]:
-    """Each round's (draft key, verdict key), split off `key` in turn; greedy rounds draw nothing."""
-    while True:
-        if greedy:
-            yield None, None
-        else:
-            key, k_draft, k_accept = target.split(key, 2)
-            yield k_draft, k_accept
 
 
 def _commit(
@@ -349,8 +341,6 @@ def _commit(
     proposers.drafter.observe(processed, feats)
     if proposers.lookup is not None:
         proposers.lookup.observe(processed, None)
-        if rnd.shape.tree:
-            proposers.learn(rnd.lookup_offered, path.lookup_kept)
     state.processed.extend(processed)
     logprobs = None
     if rnd.logprobs is not None:
@@ -376,7 +366,7 @@ def _shape_chooser(settings: GenerationSettings, proposers: _Proposers, policy: 
     its anchor is read gets None (decide after the read) where that continuation could beat a plain step,
     so a plain streak still notices when the text starts repeating its context."""
     fixed_tree = Shape(settings.tree + 1, tree=True) if proposers.lookup and isinstance(settings.tree, int) else None
-    lookup_cap = policy.lookup.size if policy is not None and policy.lookup is not None else 0
+    lookup_cap = policy.lookup_size if policy is not None else 0
 
     def shape_for(context: int, generated: int, anchor: int | None = None) -> Shape | None:
         left = settings.max_tokens - generated
@@ -418,23 +408,24 @@ def _speculative_steps(
     proposers: _Proposers,
     anchor: int,
     settings: GenerationSettings,
-    key,
+    noise: Noise,
     stop: set,
     policy: WidthPolicy | None,
 ) -> Iterator[Step]:
     """The rounds after the first token: one host read each, the next round queued before the caller sees
-    this one (on a lazy library), width-1 rounds queued one ahead. `state.ahead` counts the cache entries of
+    this one (on a lazy library), width-1 rounds queued one ahead. `noise` is the first token's: a round
+    after n generated tokens samples with `noise.at(n)`. `state.ahead` counts the cache entries of
     queued rounds, undone when this generator is closed (or by the next generation on the state).
     `settings.block_size` is the widest chain verify, a number."""
     cache, params, max_tokens, block_size = state.cache, settings.sampling, settings.max_tokens, settings.block_size
     drafter = proposers.drafter
-    capture, keys = bool(drafter.target_layer_ids), _round_keys(target, key, params.greedy)
+    capture = bool(drafter.target_layer_ids)
     shape_for, generated = _shape_chooser(settings, proposers, policy), 1
     top = logprob_top(target, settings)
 
     def launch(anchor: int | None, anchor_ids: Array, shape: Shape, committed: int) -> _Round:
         rnd = _launch(
-            target, proposers, cache, capture, params, next(keys), anchor, anchor_ids, shape, block_size,
+            target, proposers, cache, capture, params, noise.at(committed), anchor, anchor_ids, shape, block_size,
             max_tokens - committed, top,
         )  # fmt: skip
         state.ahead += rnd.width  # its forward sits in the cache past `state.processed`
@@ -489,13 +480,13 @@ def _speculative_steps(
 
 
 def _next_token(
-    target: TargetModel, cache, token: Array, params: SamplingParams, key, top: int | None = None
+    target: TargetModel, cache, token: Array, params: SamplingParams, noise: Noise, top: int | None = None
 ) -> tuple[Array, Array | None]:
     """Run one token through the target and pick the next one, lazily where the library is lazy; with `top`,
     the picked token's log-probability table too (`one_row_logprobs`)."""
     hidden, _ = target.forward(token, cache, capture=False)
     logits = target.head(hidden[-1:])
-    picked = pick(target, logits, params, key)[0]
+    picked = pick(target, logits, params, noise)[0]
     return picked, one_row_logprobs(target, logits, picked, top)
 
 
@@ -505,7 +496,7 @@ def _plain_steps(
     owner,
     anchor: int,
     params,
-    key,
+    noise: Noise,
     budget: int,
     stop: set,
     top: int | None = None,
@@ -521,19 +512,14 @@ def _plain_steps(
     """
     cache = state.cache
     tic = time.perf_counter()
-    sub = None
-    if not params.greedy:
-        key, sub = target.split(key, 1)
-    nxt, nxt_logprobs = _next_token(target, cache, target.tokens([anchor]), params, sub, top)
+    nxt, nxt_logprobs = _next_token(target, cache, target.tokens([anchor]), params, noise, top)
     state.processed.append(anchor)
     target.launch(nxt, nxt_logprobs)
     try:
         for i in range(budget):
             ahead = ahead_logprobs = None
             if i + 1 < budget:
-                if not params.greedy:
-                    key, sub = target.split(key, 1)
-                ahead, ahead_logprobs = _next_token(target, cache, nxt, params, sub, top)
+                ahead, ahead_logprobs = _next_token(target, cache, nxt, params, noise.at(i + 1), top)
                 target.launch(ahead, ahead_logprobs)
             values = target.read(nxt, nxt_logprobs)
             token = values[0]

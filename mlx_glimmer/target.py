@@ -19,10 +19,10 @@ import mlx.nn as nn
 import numpy as np
 
 from . import sampling as mlx_sampling
-from . import tree as mlx_tree
 from .cache import TreeCacheView, keep_positions, make_rollback_cache, trim_cache
 from .few_rows import row_product, use_few_row_products
 from .memory import DeviceMemory
+from .tree import DraftTree, mlx_trees
 
 
 class FeatureRecorder:
@@ -104,14 +104,29 @@ def _positional_class(cls: type) -> type:
     return _positional_classes[cls]
 
 
-def accept_token_positions(model: nn.Module) -> None:
+def accept_token_positions(model: nn.Module) -> str | None:
     """Let every attention's RoPE take per-token positions (a tree verify's anchor + depth). mlx-lm's
     attentions rotate with `self.rope(x, offset=cache.offset)`; during a tree verify that offset is a
-    vector (`cache.TreeCacheView`)."""
-    for layer in decoder_layers(model):
-        rope = getattr(getattr(layer, "self_attn", None), "rope", None)
-        if isinstance(rope, nn.Module) and type(rope) not in _positional_classes.values():
-            rope.__class__ = _positional_class(type(rope))
+    vector (`cache.TreeCacheView`). Returns why a tree verify cannot place its tokens (None: it can): the
+    decoder layers whose attention has no RoPE module at `self_attn.rope` and does not say it rotates
+    nothing (`use_rope` False, as Muse Glimmer's full-attention layers). Such a layer rotates some other
+    way, with one offset for all its tokens at best."""
+    missing = []
+    for i, layer in enumerate(decoder_layers(model)):
+        attention = getattr(layer, "self_attn", None)
+        rope = getattr(attention, "rope", None)
+        if isinstance(rope, nn.Module):
+            if type(rope) not in _positional_classes.values():
+                rope.__class__ = _positional_class(type(rope))
+        elif attention is None or getattr(attention, "use_rope", True):
+            missing.append(i)
+    if not missing:
+        return None
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return (
+        f"the attention of {type(model).__name__} layer {missing[0]}{more} has no RoPE module at "
+        "self_attn.rope, through which a tree verify gives each token its own position"
+    )
 
 
 def output_head(project: Callable, multiplier: float | None, cap: float | None, tanh: Callable) -> Callable:
@@ -188,14 +203,15 @@ class Target:
     recorder: FeatureRecorder = field(init=False)
     head: Callable[[mx.array], mx.array] = field(init=False)
     memory: DeviceMemory = field(default_factory=DeviceMemory)  # wired/cache limits, clear_cache (Metal only)
+    tree_unsupported: str | None = field(init=False, default=None)  # why it verifies chains only (`TargetModel`)
     sampling = mlx_sampling
-    trees = mlx_tree
+    trees = mlx_trees
     lazy = True  # work is queued and runs on `launch` / `read`: the loop queues its next round before yielding
 
     def __post_init__(self):
         self.recorder = FeatureRecorder(())
         self.head = make_head(self.model)
-        accept_token_positions(self.model)
+        self.tree_unsupported = accept_token_positions(self.model)
         use_few_row_products(self.model)
 
     @property
@@ -250,12 +266,6 @@ class Target:
     def tokens(self, ids) -> mx.array:
         return ids.astype(mx.uint32) if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.uint32)
 
-    def new_key(self, seed: int) -> mx.array:
-        return mx.random.key(seed)
-
-    def split(self, key: mx.array, n: int) -> tuple:
-        return tuple(mx.random.split(key, n + 1))
-
     def join(self, *ids: mx.array) -> mx.array:
         """Token arrays end to end, on the device ([anchor, drafts] for a verify)."""
         return mx.concatenate([self.tokens(i) for i in ids])
@@ -292,7 +302,7 @@ class Target:
         return hidden, self.recorder.features()
 
     def forward(
-        self, tokens: mx.array, cache: list, capture: bool, tree: mlx_tree.DraftTree | None = None
+        self, tokens: mx.array, cache: list, capture: bool, tree: DraftTree | None = None
     ) -> tuple[mx.array, mx.array | None]:
         """Run `tokens` (shape [L]) through the decoder; return final hidden states [L, H] and features. With
         `tree`, `tokens` are [anchor, nodes] and each attends to the cache and its ancestors only, at the

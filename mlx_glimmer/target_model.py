@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence
 
+from .noise import Noise
 from .settings import SamplingParams
 from .tree import MODEL, DraftTree
 
@@ -16,19 +17,19 @@ class SamplingOps(Protocol):
 
     def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
     def argmax(self, logits: Array) -> Array: ...
-    def sample(self, probs: Array, key: Any) -> Array: ...
+    def sample(self, probs: Array, where: Noise) -> Array: ...  # row i: the sample of position where.start + i
+    def gumbel_scores(self, probs: Array, where: Noise) -> Array: ...  # log probs + noise: argmax is the sample
     def spread(self, probs: Array, ids: Array, vocab_size: int) -> Array: ...  # [n, len(ids)] -> [n, vocab_size]
     def greedy_verdict(self, draft: Array, target_logits: Array) -> Array: ...  # [accepted, next token], lazy
-    def sampled_verdict(self, draft: Array, draft_probs: Array | None, target_probs: Array, key: Any) -> Array: ...
 
 
 class TreeOps(Protocol):
-    """One array library's draft-tree module (`mlx_glimmer.tree`): builds, judges and reads trees, and
-    computes the log-probabilities of what a round commits."""
+    """Draft trees on one array library (`tree.Trees` over its `array_ops.ArrayOps`): builds, judges and reads
+    trees, and computes the log-probabilities of what a round commits."""
 
     def chain(self, tokens: Array, source: int = MODEL) -> DraftTree: ...
     def merged_tree(self, log_probs: Array, budget: int, lookup: list[int], vocab: Array | None) -> DraftTree: ...
-    def verdict(self, tree: DraftTree, logits: Array, params: SamplingParams, key: Any) -> Array: ...
+    def verdict(self, tree: DraftTree, logits: Array, params: SamplingParams, noise: Noise | None) -> Array: ...
     def chain_verdict(self, tree: DraftTree, judged: Array) -> Array: ...
     def read_path(self, values: list[int], size: int) -> Any: ...  # a `tree.Path`
     def token_logprobs(self, logits: Array, tokens: Array, top: int, rows: Array | None = None) -> Array: ...
@@ -46,7 +47,6 @@ class TargetModel(Protocol):
     head(hidden)                     logits [L, V] as the model's own forward computes them
     make_cache(reserve)              a KV cache that rolls back at least `reserve` tokens at any length
     trim(cache, n)                   forget the last n positions (n <= 0: nothing)
-    split(key, n)                    (the next key, n keys to use now)
     join(*ids)                       token arrays end to end, on the device
     launch(*arrays) / sync(...)      start computing / finish computing (the cache's contents too)
     read(*arrays)                    the one blocking host read of a round: integer entries, end to end
@@ -63,6 +63,7 @@ class TargetModel(Protocol):
     lazy: bool
     memory: Any
     model: Any  # the library's own model: its weights stay resident while it generates
+    tree_unsupported: str | None  # why it verifies chains only, trees never (None: trees too): `tree_check.py`
 
     @property
     def hidden_size(self) -> int: ...
@@ -83,8 +84,6 @@ class TargetModel(Protocol):
     def trim(self, cache: Any, n: int) -> None: ...
     def keep(self, cache: Any, positions: list[int], width: int) -> None: ...  # after a verify: keep those, in order
     def tokens(self, ids: Sequence[int] | Array) -> Array: ...  # token ids as this library's array
-    def new_key(self, seed: int) -> Any: ...
-    def split(self, key: Any, n: int) -> tuple: ...
     def join(self, *ids: Array) -> Array: ...
     def launch(self, *arrays: Array | None) -> None: ...
     def sync(self, *arrays: Array | None, cache: Any = None) -> None: ...

@@ -1,10 +1,10 @@
 """Verify cost: seconds of one target call of each width, per context-length band, on the running device.
 
 Measured when a pair first decodes with `--block-size auto` (`measure_verify_cost`: a few widths, after a short
-context, a few seconds), cached on disk per bundle, device, dtype, chip and array-library version
-(`calibration_key`, `cached_verify_cost`), and refined online from every plain round's own timing
-(`VerifyCost.observe`). The width policy (`block_policy.py`) weighs shapes by it; a round verifies only the
-widths it measured (`VerifyCost.widths`).
+context, about a second), cached on disk per bundle, device, dtype, chip and array-library version
+(`calibration_key`, `cached_verify_cost`), and refined online by the rounds the loop runs (`VerifyCost.observe`).
+Every width from 1 to the widest can be verified: a width not measured is interpolated between measured ones
+until rounds of it measure it. The width policy (`block_policy.py`) weighs shapes by it.
 """
 
 from __future__ import annotations
@@ -19,87 +19,110 @@ from pathlib import Path
 
 from .cpu import chip_name
 
-BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds)
-# Measured before the first answer, and the only widths a round verifies (`VerifyCost.widths`).
-MEASURED_WIDTHS = (1, 2, 3, 4, 8, 16, 24, 32)
+BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds): attention over the context grows with it
+# Measured before the first answer; the widths between are interpolated until rounds measure them. Powers of two:
+# the widths a kernel's tiling is most likely to favour, and few enough to time in about a second.
+MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32)
+# Weight of a new timing in an average once it has 1 / TIME_WEIGHT samples (before that, all weigh alike): a
+# round timed during a burst of other load moves an estimate by a tenth, and ten rounds of a new speed move it
+# most of the way.
+TIME_WEIGHT = 0.1
 
 
 def band_of(context: int) -> int:
     return max(i for i, lo in enumerate(BANDS) if context >= lo)
 
 
+def average(old: float | None, new: float, samples: int) -> float:
+    """The running mean of `samples` timings, the last `new`, forgetting at `TIME_WEIGHT` once there are many."""
+    if old is None:
+        return new
+    weight = max(TIME_WEIGHT, 1.0 / samples)
+    return (1 - weight) * old + weight * new
+
+
 @dataclass
 class VerifyCost:
-    """seconds[band][w - 1]: one target call of width w at a context in that band; None where never measured."""
+    """seconds[band][w - 1]: one target call of width w at a context in that band as measured (None where not);
+    learnt[band][w - 1]: the same as the loop's rounds timed it (None where no round ran). A width no round ran
+    in a band is predicted from the measured ones (interpolated between widths, borrowed from the nearest band)
+    times how far the band's rounds found the measurements off (`drift`): a table timed under other load, or
+    after a short context, is off by about one factor at every width."""
 
     max_width: int
     seconds: list[list[float | None]] = field(default_factory=list)
-    alpha: float = 0.1  # weight of a new online observation, once a cell has several
-    counts: list[list[int]] = field(default_factory=list)  # online observations per cell
+    learnt: list[list[float | None]] = field(default_factory=list)
+    counts: list[list[int]] = field(default_factory=list)  # timings behind each learnt cell
+    drift: list[float | None] = field(default_factory=list)  # per band: learnt over measured, averaged
+    drift_counts: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        if not self.seconds:
-            self.seconds = [[None] * self.max_width for _ in BANDS]
-        if not self.counts:
-            self.counts = [[0] * self.max_width for _ in BANDS]
-
-    def widths(self) -> list[int]:
-        """The widths a round may verify: those measured in some band (every width while none is). The cost of a
-        width between two measured ones need not lie between theirs: where a matrix kernel tiles rows by 4 or
-        8, a width just past a tile costs more than the next full tile (docs/design.md), and a round that
-        wants such a width verifies the next measured one instead, with more drafts for the same or less time."""
-        measured = [w for w in range(1, self.max_width + 1) if any(row[w - 1] is not None for row in self.seconds)]
-        return measured or list(range(1, self.max_width + 1))
+        self.seconds = self.seconds or [[None] * self.max_width for _ in BANDS]
+        self.learnt = self.learnt or [[None] * self.max_width for _ in BANDS]
+        self.counts = self.counts or [[0] * self.max_width for _ in BANDS]
+        self.drift = self.drift or [None] * len(BANDS)
+        self.drift_counts = self.drift_counts or [0] * len(BANDS)
 
     def estimate(self, width: int, context: int) -> float:
-        """The least time measured at this width or any wider one: a verify cannot get dearer with fewer
-        tokens, and other load only ever adds time, so spikes (here or at a narrower width) drop out and
-        the estimate never decreases with width."""
-        return min(self._raw(w, context) for w in range(width, self.max_width + 1))
+        """One verify of `width` tokens after `context`: what its rounds took where some ran; else predicted, and
+        no more than a wider verify's estimate (it could pad to the wider one, so a spike in one measurement
+        drops out). A plain step (width 1) is its own: its rounds carry the sampling a bare forward lacks."""
+        return self.estimates(context)[width - 1]
 
     def estimates(self, context: int) -> list[float]:
         """`estimate(w, context)` for w = 1..max_width, in one pass."""
-        out = [self._raw(w, context) for w in range(1, self.max_width + 1)]
-        for i in range(len(out) - 2, -1, -1):
-            out[i] = min(out[i], out[i + 1])
+        out, learnt = [self._raw(w, context) for w in range(1, self.max_width + 1)], self.learnt[band_of(context)]
+        for i in range(len(out) - 2, 0, -1):
+            if learnt[i] is None:
+                out[i] = min(out[i], out[i + 1])
         return out
 
     def _raw(self, width: int, context: int) -> float:
-        """The measured cost; else interpolated between the nearest measured widths of its band (extended
-        along the widest two beyond them); else the nearest measured band's, scaled by the width-1 figures."""
-        b = band_of(context)
-        row = self.seconds[b]
-        own = row[width - 1]
-        if own is not None:
-            return own
-        known = [w for w in range(1, self.max_width + 1) if row[w - 1] is not None]
-        below, above = [w for w in known if w < width], [w for w in known if w > width]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            return row[lo - 1] + (row[hi - 1] - row[lo - 1]) * (width - lo) / (hi - lo)
-        if len(below) >= 2:
-            lo, hi = below[-2], below[-1]
-            slope = max((row[hi - 1] - row[lo - 1]) / (hi - lo), 0.0)
-            return row[hi - 1] + slope * (width - hi)
-        for other in sorted(range(len(BANDS)), key=lambda o: abs(o - b)):
-            ref = self.seconds[other]
-            if ref[width - 1] is not None and ref[0]:
-                scale = (self.seconds[b][0] / ref[0]) if self.seconds[b][0] else 1.0
-                return ref[width - 1] * scale
-        return float(width)  # nothing measured: proportional to width (never chosen blindly, see WidthPolicy)
+        band = band_of(context)
+        learnt = self.learnt[band][width - 1]
+        if learnt is not None:
+            return learnt
+        drift = self.drift[band]
+        if drift is None:  # nothing learnt in this band yet: the nearest band's
+            drift = next((d for _, d in sorted((abs(b - band), d) for b, d in enumerate(self.drift) if d)), 1.0)
+        return self.measured(width, band) * drift
+
+    def measured(self, width: int, band: int) -> float:
+        """The measured cost: in its band, interpolated between the nearest measured widths (extended along the
+        widest two beyond them); else the nearest measured band's; proportional to width where nothing is."""
+        for b in sorted(range(len(BANDS)), key=lambda o: abs(o - band)):
+            row = self.seconds[b]
+            known = [w for w in range(1, self.max_width + 1) if row[w - 1] is not None]
+            if width in known:
+                return row[width - 1]
+            below, above = [w for w in known if w < width], [w for w in known if w > width]
+            if below and above:
+                lo, hi = below[-1], above[0]
+                return row[lo - 1] + (row[hi - 1] - row[lo - 1]) * (width - lo) / (hi - lo)
+            if len(below) >= 2:
+                lo, hi = below[-2], below[-1]
+                return row[hi - 1] + max((row[hi - 1] - row[lo - 1]) / (hi - lo), 0.0) * (width - hi)
+        return float(width)
+
+    def evidence(self, width: int, context: int) -> int:
+        """Timings behind this width's estimate in this band: its measurement and its rounds."""
+        band = band_of(context)
+        return int(self.seconds[band][width - 1] is not None) + self.counts[band][width - 1]
 
     def observe(self, width: int, context: int, seconds: float) -> None:
-        row, counts = self.seconds[band_of(context)], self.counts[band_of(context)]
-        old = row[width - 1]
-        counts[width - 1] += 1
-        weight = max(self.alpha, 1.0 / (counts[width - 1] + 1))  # the first live timings weigh as much as the table
-        row[width - 1] = seconds if old is None else (1 - weight) * old + weight * seconds
-        for w in range(width - 1):  # a narrower verify costs no more than this one did
-            if row[w] is not None and row[w] > row[width - 1]:
-                row[w] = row[width - 1]
+        """A round verified `width` tokens after `context` in `seconds` (its drafting left out). Rounds of a
+        measured width above 1 also tell how far the band's measurements are off; plain rounds do not: they
+        are queued one ahead and read in pairs (one at once, the next carrying both)."""
+        band = band_of(context)
+        if width > 1 and any(row[width - 1] is not None for row in self.seconds):  # a measured width
+            self.drift_counts[band] += 1
+            ratio = seconds / max(self.measured(width, band), 1e-9)
+            self.drift[band] = average(self.drift[band], ratio, self.drift_counts[band])
+        self.counts[band][width - 1] += 1
+        self.learnt[band][width - 1] = average(self.learnt[band][width - 1], seconds, self.counts[band][width - 1])
 
     def to_dict(self) -> dict:
-        return {"max_width": self.max_width, "bands": list(BANDS), "seconds": self.seconds}
+        return {"max_width": self.max_width, "bands": list(BANDS), "seconds": self.seconds, "learnt": self.learnt}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "VerifyCost":

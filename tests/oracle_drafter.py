@@ -96,6 +96,7 @@ class AlwaysPlain:
     """A width policy that never drafts: every round is a width-1 round of the drafting loop."""
 
     lookup = None  # no n-gram chains offered
+    lookup_size = 0
 
     def choose(self, context, found=0, ngram=0):
         return Shape(1)

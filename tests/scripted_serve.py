@@ -111,8 +111,8 @@ def install(spec: dict) -> None:
 
     real = loading.load_target
 
-    def load_target(path):
-        target, tokenizer = real(path)
+    def load_target(path, group=None):
+        target, tokenizer = real(path, group)
 
         def ids(text):
             return list(tokenizer.encode(text, add_special_tokens=False))

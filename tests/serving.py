@@ -9,6 +9,8 @@ import subprocess
 import threading
 import time
 
+from slow_machine import slow_machine_timeout
+
 DEMO_MAX_QUEUE = 12  # the demo pair's server (conftest's `demo_server`): requests waiting at most
 DEMO_MAX_BATCH = 4  # ... and decoded together at most
 
@@ -17,7 +19,7 @@ class ServeProcess:
     """Runs `cmd` (a `serve` command line), keeps its stderr in `log` and waits for the line with its URL
     (`wait=False`: starts it and returns; `ready()` waits then, so several servers can start at once)."""
 
-    def __init__(self, cmd: list[str], timeout: float = 300, *, wait: bool = True):
+    def __init__(self, cmd: list[str], timeout: float = slow_machine_timeout(), *, wait: bool = True):
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         self.log: list[str] = []
         self._lines: queue.Queue = queue.Queue()
@@ -50,22 +52,25 @@ class ServeProcess:
         self.root = self.url.removesuffix("/v1")
         return self
 
-    def client(self, **kwargs):
+    def client(self, tokens: int, requests: int = 1, **kwargs):
+        """An `openai` client that waits for an answer of up to `tokens` tokens, behind up to `requests` - 1
+        others, as long as a busy machine may take (`slow_machine_timeout`; a stream waits that for each chunk)."""
         import openai
 
-        return openai.OpenAI(base_url=self.url, api_key="not-needed", max_retries=0, timeout=180, **kwargs)
+        timeout = slow_machine_timeout(tokens, requests)
+        return openai.OpenAI(base_url=self.url, api_key="not-needed", max_retries=0, timeout=timeout, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         import httpx2 as httpx
 
-        text = httpx.get(self.root + "/metrics").text
+        text = httpx.get(self.root + "/metrics", timeout=slow_machine_timeout()).text
         return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
 
     def stop(self):
         self.proc.terminate()
         try:
             self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # no failure: a server slow to stop is killed
             self.proc.kill()
             self.proc.wait()
 
@@ -76,8 +81,9 @@ class ServeProcess:
         assert "Traceback" not in "".join(self.log), "".join(self.log)
 
 
-def collect(events: queue.Queue, timeout: float = 300):
-    """A submitted job's answer: its streamed text and its `Finished` event (a `Failed` one fails the test)."""
+def collect(events: queue.Queue, timeout: float = slow_machine_timeout(256)):
+    """A submitted job's answer: its streamed text and its `Finished` event (a `Failed` one fails the test).
+    `timeout`: the longest wait for one event, which may come after requests queued before this one."""
     from mlx_glimmer.server.run import Delta, Failed, Finished
 
     text = []

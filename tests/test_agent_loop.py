@@ -200,7 +200,7 @@ def streamed(client, messages: list[dict], tools: list[dict]) -> Reply:
 def run_agent(server: ServeProcess, agent: Agent, ask: Callable) -> list[Reply]:
     """The agent's loop: ask; while the reply calls tools, run them and send the results back; stop at an
     answer (or after a step more than the script has, which fails the comparisons)."""
-    client = server.client()
+    client = server.client(MAX_TOKENS, requests=len(AGENTS))  # the other agent's request may go first
     messages = [{"role": "user", "content": agent.ask}]
     replies = []
     for _ in range(len(agent.calls) + 2):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer import GenerationSettings, GlimmerError, SamplingParams
@@ -164,9 +165,10 @@ def test_a_directory_without_read_permission_is_one_error_line(bundle, tmp_path,
 
 
 @contextmanager
-def never_waits_on(fifo: Path, within: float = 10.0):
+def never_waits_on(fifo: Path, within: float = 120.0):
     """Fail rather than hang where a reader waits on `fifo`: after `within` seconds a writer opens it and closes
-    it at once, again and again (each waiting reader then reads an empty file), and the test fails on time."""
+    it at once, again and again (each waiting reader then reads an empty file), and the test fails on time.
+    `within` is far beyond what naming the file takes on a busy machine: it only tells a wait from none."""
     done = threading.Event()
 
     def unblock():
@@ -529,7 +531,7 @@ print(json.dumps({{"codes": codes, "reexecs": reexecs, "heavy": heavy}}))
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=slow_machine_timeout(),
         env={**os.environ, "MLX_GLIMMER_BLAS": ""},
     )
     assert proc.returncode == 0, proc.stderr
@@ -541,11 +543,13 @@ print(json.dumps({{"codes": codes, "reexecs": reexecs, "heavy": heavy}}))
 
 
 @pytest.mark.parametrize("argv", [FAST_REFUSALS[0], FAST_REFUSALS[3], FAST_REFUSALS[5]], ids=lambda a: a[0])
-def test_the_installed_command_refuses_a_bad_flag_in_under_a_second(tmp_path, argv):
+def test_the_installed_command_refuses_a_bad_flag_before_heavy_imports_and_the_blas_reexec(tmp_path, argv):
     argv = [a.replace("RUN", str(tmp_path / "run")) for a in argv]
-    tic = time.perf_counter()
-    proc = subprocess.run([str(EXE), *argv], capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - tic
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # every import, on stderr, in every process image
+    proc = subprocess.run([str(EXE), *argv], capture_output=True, text=True, timeout=slow_machine_timeout(), env=env)
     assert proc.returncode == 2
-    one_error_line(proc.stderr)
-    assert elapsed < 1.0, f"{argv}: refused after {elapsed:.2f} s"
+    imports = [ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
+    one_error_line("\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")))
+    assert imports.count("mlx_glimmer.cli") == 1  # a re-executed process would import it again
+    heavy = {"mlx", "mlx_lm", "transformers", "torch", "numpy", "fastapi"}
+    assert not heavy & {name.split(".")[0] for name in imports}

@@ -29,6 +29,7 @@ from dataclasses import replace
 import pytest
 from fastapi.testclient import TestClient
 from scripted_serve import ScriptedTarget
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer.server.app import ServerState, create_app, model_context
@@ -311,7 +312,8 @@ def demo(demo_server, demo_pair):
     import httpx2 as httpx
 
     def post(body):
-        return httpx.post(demo_server.url + "/completions", json={"model": "demo", **body}, timeout=600)
+        timeout = slow_machine_timeout(body.get("max_tokens", 16), requests=2)  # two may be asked at once
+        return httpx.post(demo_server.url + "/completions", json={"model": "demo", **body}, timeout=timeout)
 
     return post, demo_pair
 

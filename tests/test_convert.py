@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tiny_checkpoints as tc
 import torch
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer.cli import main
@@ -436,7 +437,7 @@ def test_repo_id_without_network_is_one_error_line(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=slow_machine_timeout(),  # a watchdog: imports and a refused download
     )
     assert proc.returncode != 0
     assert_one_error_line(proc.stderr, "meta-models/Muse-Glimmer-30B")

@@ -167,3 +167,33 @@ def test_the_checks_see_what_they_check(tmp_path):
         "tests/test_docs.py"
     ]
     assert slug("## Archived results (`results/archive/`)".lstrip("# ")) == "archived-results-resultsarchive"
+
+
+README = ROOT / "README.md"
+
+
+def performance_rows() -> list[dict[str, str]]:
+    """The README's performance table: a row as {column heading: cell}."""
+    section = README.read_text().split("## Performance", 1)[1].split("\n## ", 1)[0]
+    lines = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines() if line[:1] == "|"]
+    header, rows = lines[0], lines[2:]
+    return [dict(zip(header, row)) for row in rows]
+
+
+def test_every_performance_row_names_the_cpu_its_results_files_record():
+    rows = performance_rows()
+    assert rows and all(set(r) == {"what", "result", "CPU", "results file"} for r in rows)
+    for row in rows:
+        files = re.findall(r"`([^`\s]+\.json)`", row["results file"])
+        assert files, row
+        for name in files:
+            recorded = (ROOT / name).read_text().replace("(R)", "")  # "Intel(R) Xeon(R) Processor"
+            assert row["CPU"] in recorded, (row["CPU"], name)
+
+
+def test_the_readme_is_a_product_page_whose_test_command_is_the_one_ci_runs():
+    assert len(README.read_bytes()) <= 12 * 1024  # detail belongs in docs/ and benchmarks/README.md
+    first_block = FENCE.search(README.read_text()).group(1)
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2 and "mlx-glimmer chat" in commands[0] and "pytest" in commands[1]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -16,6 +16,7 @@ import torch
 
 from mlx_glimmer.drafters.dflash2 import compute_logits, load_dflash2_model
 from mlx_glimmer.drafters.dspark import DSparkDrafter, load_dspark_model
+from mlx_glimmer.noise import Noise
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
@@ -110,7 +111,7 @@ def replay_dflash2(path, window_shift=0):
         same_tokens &= tokens.tolist() == ref_tokens
         # Sampling: the first position's draft distribution (its predecessor is the anchor) is the reference's.
         _, cands, _, q = ours.candidate_selector.select(
-            h, logits, anchor, SamplingParams(temperature=0.7), mx.random.key(1)
+            h, logits, anchor, SamplingParams(temperature=0.7), Noise(1, start + 1)
         )
         theirs = dict(zip(ref_cands[0, 0].tolist(), ref_q[0, 0].tolist()))
         mine = dict(zip(cands[0].tolist(), q[0].tolist()))

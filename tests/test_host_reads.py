@@ -12,7 +12,7 @@ import pytest
 import torch
 from oracle_drafter import AlwaysPlain, OracleDrafter
 
-from mlx_glimmer.block_policy import TREE_WIDTHS, AcceptanceModel, WidthPolicy, width_policy
+from mlx_glimmer.block_policy import TREE_WIDTHS, WidthPolicy, width_policy
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 from mlx_glimmer.verify_cost import VerifyCost
@@ -82,9 +82,9 @@ def tokens_of(steps):
 
 
 def plain_leaning_policy(width: int) -> WidthPolicy:
-    """Verify cost steep enough that width 1 wins, with probes now and then."""
+    """Verify cost steep enough that width 1 wins, with drafting tried now and then."""
     cost = VerifyCost(width, [[1.0 + 0.5 * (w - 1) for w in range(1, width + 1)] for _ in range(4)])
-    return WidthPolicy(cost, AcceptanceModel(width - 1), probe_interval=3)
+    return width_policy(width, cost)
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +311,73 @@ def test_the_seam_read_concatenates_on_the_device(muse_pair):
     assert target.read(mx.array([2, 7], dtype=mx.int32), target.tokens([5, 6])) == [2, 7, 5, 6]
     assert target.join(target.tokens([1]), target.tokens([3, 4])).tolist() == [1, 3, 4]
     assert dataclasses.is_dataclass(target)
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(checkpoints, tmp_path_factory):
+    import family_checkpoints as fc
+
+    import mlx_glimmer
+
+    return mlx_glimmer.load(target=checkpoints["muse"], drafter=fc.build_dflash2(tmp_path_factory.mktemp("d2") / "d"))
+
+
+@pytest.fixture(scope="module")
+def draft_model_pair(checkpoints):
+    """A classic autoregressive draft model (the tiny llama shares the target's tokenizer), adaptive draft_k."""
+    import mlx_glimmer
+
+    return mlx_glimmer.load(target=checkpoints["muse"], drafter=checkpoints["llama"])
+
+
+@pytest.fixture(scope="module")
+def lookup_pair(checkpoints):
+    import mlx_glimmer
+
+    return mlx_glimmer.load(target=checkpoints["muse"], prompt_lookup=True)
+
+
+FAMILY_PAIRS = {  # every drafter family (`drafters/registry.py`), the classic draft model and prompt lookup
+    "dflash": "muse_pair",
+    "dflash2": "dflash2_pair",
+    "dspark": "dspark_pair",
+    "draft-model": "draft_model_pair",
+    "prompt-lookup": "lookup_pair",
+}
+NETWORK = pytest.mark.network  # the reference package writes the checkpoint (from PyPI on first use)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=NETWORK) if f in ("dflash2", "dspark") else f for f in FAMILY_PAIRS],
+)
+def test_every_drafter_family_blocks_on_the_host_once_per_round(request, plain, blocking, family, shape, params):
+    """Chains of the drafter's own block, or a fixed tree of 15 (a chain-only drafter then drafts chains)."""
+    pair = request.getfixturevalue(FAMILY_PAIRS[family])
+    drafter = pair.drafter
+    if shape == "tree":
+        settings = GenerationSettings(params, max_tokens=60, tree=15)
+    else:
+        settings = GenerationSettings(params, max_tokens=60, block_size=drafter.block_size, tree="off")
+    blocking.clear()
+    steps, per = per_step(generate_steps(pair.target, PROMPT, settings, drafter=drafter), blocking)
+    assert all(p == ["tolist"] for p in per), per
+    assert any(s.drafted for s in steps[1:])
+    assert any(s.tree for s in steps) == (shape == "tree" and drafter.has_marginals)
+    if params.greedy:
+        assert tokens_of(steps) == plain[:60]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_torch_tree_rounds_read_once_through_the_seam(torch_muse, plain, params):
+    seam = Seam(torch_muse.target)
+    steps, per = per_step(
+        generate_steps(seam, PROMPT, GenerationSettings(params, max_tokens=40, tree=15), drafter=torch_muse.drafter),
+        seam.events,
+    )
+    assert sum(s.tree for s in steps) > 3
+    assert all(p.count("read") == 1 and "sync" not in p for p in per), per
+    if params.greedy:
+        assert tokens_of(steps) == plain[:40]

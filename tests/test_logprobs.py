@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from oracle_drafter import AlwaysPlain, OracleDrafter, TreeOracle
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
-from mlx_glimmer import tree as mlx_tree
 from mlx_glimmer.cli import main
 from mlx_glimmer.generate import GenerationStats, chunks_from_steps
 from mlx_glimmer.logprobs import prompt_logprobs
@@ -33,6 +33,7 @@ from mlx_glimmer.server.run import Delta, Failed, Finished, GenerationRequest, J
 from mlx_glimmer.server.worker import GenerationWorker
 from mlx_glimmer.settings import BatchSettings, GenerationSettings, SamplingError, SamplingParams
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.tree import mlx_trees
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -136,21 +137,21 @@ def test_width_one_rounds_of_the_drafting_loop_report_the_targets_own(muse_pair)
 
 
 class CountingTrees:
-    """The MLX tree module, counting the log-probability tables asked of it."""
+    """MLX's draft trees, counting the log-probability tables asked of it."""
 
     def __init__(self):
         self.tables = 0
 
     def __getattr__(self, name):
-        return getattr(mlx_tree, name)
+        return getattr(mlx_trees, name)
 
     def token_logprobs(self, *args, **kwargs):
         self.tables += 1
-        return mlx_tree.token_logprobs(*args, **kwargs)
+        return mlx_trees.token_logprobs(*args, **kwargs)
 
     def round_logprobs(self, *args, **kwargs):
         self.tables += 1
-        return mlx_tree.round_logprobs(*args, **kwargs)
+        return mlx_trees.round_logprobs(*args, **kwargs)
 
 
 class Seam:
@@ -378,7 +379,7 @@ def batching(pair):
 def answered(events: queue.Queue) -> tuple[list[Delta], Finished]:
     """A job's `Delta`s and its `Finished` event."""
     deltas = []
-    while not isinstance(event := events.get(timeout=300), Finished):
+    while not isinstance(event := events.get(timeout=slow_machine_timeout()), Finished):
         assert not isinstance(event, Failed), event.message
         deltas.append(event)
     return deltas, event

@@ -1,14 +1,15 @@
 """The drafter's prompt context is computed with the prefill, so `auto` keeps drafting after a long prompt."""
 
-import dataclasses
-
 import mlx.core as mx
 import numpy as np
 from oracle_drafter import OracleDrafter
+from table_timed import table_timed
 
 import mlx_glimmer
+from mlx_glimmer.block_policy import width_policy
 from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.verify_cost import BANDS, VerifyCost
 
 LONG = 2000
 
@@ -53,15 +54,21 @@ def long_prompt(vocab: int) -> list[int]:
 
 
 def test_auto_drafts_wide_after_a_2000_token_prompt(muse_pair):
+    """With a cost table where wide verifies pay (given, not timed), a drafter that knows the answer is verified
+    wide from the first rounds after a long prompt, and on the next generation too (the policy carries over)."""
     prompt = long_prompt(muse_pair.target.vocab_size)
     plain = mlx_glimmer.generate(muse_pair, prompt, max_tokens=200, speculative=False).token_ids
     oracle = WorkingOracle(muse_pair.drafter, len(prompt), plain, muse_pair.target.vocab_size)
-    pair = dataclasses.replace(muse_pair, drafter=oracle)
-    for turn in range(2):  # the policy (and its draft estimate) carries over to the next generation
-        result = mlx_glimmer.generate(pair, prompt, max_tokens=200)
-        assert result.token_ids == plain
-        widths = result.stats.verify_widths[:8]
-        assert sum(w > 1 for w in widths) >= 6, (turn, result.stats.verify_widths)
+    width = oracle.block_size
+    cost = VerifyCost(width, [[1.0 + 0.02 * (w - 1) for w in range(1, width + 1)] for _ in BANDS])
+    policy = table_timed(width_policy(width, cost))
+    for turn in range(2):
+        steps = list(generate_steps(muse_pair.target, prompt, GenerationSettings(max_tokens=200), drafter=oracle,
+                                    policy=policy))  # fmt: skip
+        assert [t for s in steps for t in s.tokens][: len(plain)] == plain
+        widths = [s.drafted + 1 for s in steps[1:9]]
+        assert sum(w > 4 for w in widths) >= 6, (turn, widths)
+        policy = table_timed(width_policy(width, cost, policy))
 
 
 def test_the_prompt_context_is_evaluated_with_the_prefill(muse_pair):

@@ -11,9 +11,11 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 from serving import collect
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, GenerationSettings, SamplingParams
+from mlx_glimmer.noise import Noise
 from mlx_glimmer.server.prompt_cache import Conversation, PromptCache, common_prefix
 from mlx_glimmer.server.run import Delta, Failed, Finished, GenerationRequest, Job, Run, StopMatcher
 from mlx_glimmer.server.worker import GenerationWorker
@@ -38,7 +40,7 @@ def request(prompt_tokens, stop=(), **settings) -> GenerationRequest:
 def run(worker, **fields):
     events: queue.Queue = queue.Queue()
     worker.submit(Job(request(**fields), events.put))
-    return collect(events, timeout=120)
+    return collect(events)
 
 
 def answer_here(pair, cache: PromptCache, **fields):
@@ -77,8 +79,8 @@ def test_follow_up_turns_reuse_their_conversation_and_equal_a_cold_start(muse_pa
     turn3 = follow_up + ref.token_ids + list(b"!")
     answer_here(muse_pair, cache, prompt_tokens=turn3, max_tokens=2, block_size=4, **sampling)
     warm = next(c for c in cache._entries.values() if c.tokens[: len(turn3)] == turn3)
-    params, key = SamplingParams(temperature=1.0), mx.random.key(0)
-    _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
+    params, noise = SamplingParams(temperature=1.0), Noise(0, len(warm.tokens))
+    _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, noise)
     ref_conv = Conversation(DecodeState(), copy.copy(muse_pair.drafter))
     mlx_glimmer.generate(
         replace(muse_pair, drafter=ref_conv.drafter),
@@ -89,7 +91,7 @@ def test_follow_up_turns_reuse_their_conversation_and_equal_a_cold_start(muse_pa
         **sampling,
     )
     assert warm.tokens == ref_conv.tokens
-    _, cold_probs = ref_conv.drafter.propose(ref_conv.tokens[-1], 3, params, key)
+    _, cold_probs = ref_conv.drafter.propose(ref_conv.tokens[-1], 3, params, noise)
     assert mx.allclose(warm_probs, cold_probs, atol=1e-5).item()
 
 
@@ -129,10 +131,10 @@ def test_a_cancelled_job_stops_after_one_round_and_its_conversation_stays_usable
     events: queue.Queue = queue.Queue()
     job = Job(request(prompt_tokens=B, max_tokens=200, block_size=4), events.put)
     worker.submit(job)
-    while not isinstance(events.get(timeout=120), Delta):
+    while not isinstance(events.get(timeout=slow_machine_timeout()), Delta):
         pass
     job.cancelled.set()
-    while not isinstance(e := events.get(timeout=120), Finished):
+    while not isinstance(e := events.get(timeout=slow_machine_timeout()), Finished):
         pass
     assert e.finish_reason == "cancelled" and e.stats.generated_tokens < 40
     follow_up = B + list(b" again")
@@ -197,6 +199,6 @@ def test_a_fork_copies_caches_and_drafter_context_but_shares_models(muse_pair):
 def test_a_failing_job_reports_failed_and_the_worker_serves_the_next(worker, muse_pair):
     events: queue.Queue = queue.Queue()
     worker.submit(Job(request(prompt_tokens=[10**9], max_tokens=4), events.put))  # not a token id
-    assert isinstance(events.get(timeout=120), Failed)
+    assert isinstance(events.get(timeout=slow_machine_timeout()), Failed)
     text, done = run(worker, prompt_tokens=A, max_tokens=6)
     assert done.finish_reason == "length" and text == cold(muse_pair, A, max_tokens=6).text

@@ -1,4 +1,6 @@
-"""Speculative sampling emits tokens distributed exactly as the target's filtered distribution."""
+"""Sampling draws each token from the target's filtered distribution with noise keyed by the seed and the
+token's position; speculative sampling keeps exactly the drafts the target samples, so it emits the same
+distribution (and, at one seed, the same tokens as plain decoding)."""
 
 import itertools
 
@@ -10,8 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 import mlx_glimmer
+from mlx_glimmer.array_ops import MLX_OPS
 from mlx_glimmer.drafters.base import Drafter
-from mlx_glimmer.sampling import accept_sampled, probabilities
+from mlx_glimmer.noise import Noise, gumbel_of_tokens
+from mlx_glimmer.sampling import probabilities, sample
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
 
@@ -64,23 +68,41 @@ def test_filters_match_transformers_logits_warpers(params):
     np.testing.assert_allclose(np.asarray(probabilities(mx.array(logits), params)), ref, atol=1e-6)
 
 
-def test_rejection_step_output_follows_target_distribution():
-    """One verification of a 3-token draft, many times: the first emitted token follows p_0."""
+@pytest.mark.parametrize("params", SETTINGS, ids=str)
+def test_the_positional_sampler_follows_the_filtered_distribution_over_positions_and_over_seeds(params):
+    """Row i of `sample` draws the token at position start + i: with one seed over many positions, and at one
+    position over many seeds, the draws follow the filtered distribution."""
+    logits = mx.array(np.random.default_rng(3).standard_normal(V).astype(np.float32) * 2)
+    p = probabilities(logits, params)
+    rows = mx.broadcast_to(p[None], (4000, V))
+    over_positions = np.array(sample(rows, Noise(seed=7, start=100)))
+    assert chi_square_p(over_positions, np.asarray(p, np.float64)) > 0.001
+    over_seeds = np.array([sample(p, Noise(seed, 100)).item() for seed in range(3000)])
+    assert chi_square_p(over_seeds, np.asarray(p, np.float64)) > 0.001
+
+
+def test_the_positional_sampler_draws_the_same_token_for_the_same_seed_and_position_only():
+    probs = mx.full((64, V), 1.0 / V)
+    draws = np.array(sample(probs, Noise(5, 0)))
+    assert (draws == np.array(sample(probs, Noise(5, 0)))).all()
+    assert (draws[1:] == np.array(sample(probs[1:], Noise(5, 1)))).all()  # keyed by position, not by row
+    assert (draws != np.array(sample(probs, Noise(6, 0)))).mean() > 0.8
+    assert (draws[1:] != draws[:-1]).mean() > 0.8
+
+
+def test_a_sample_over_a_subset_of_the_vocabulary_draws_the_full_samples_token_whenever_it_holds_it():
+    """What DFlash2's candidate selector relies on: noise of the candidates' token ids, not their ranks."""
     rng = np.random.default_rng(0)
-    p = rng.dirichlet(np.ones(V) * 0.5, size=4).astype(np.float32)
-    q = rng.dirichlet(np.ones(V) * 0.5, size=3).astype(np.float32)
-    key = mx.random.key(1)
-    first, second = [], []
-    for _ in range(6000):
-        key, kd, ka = mx.random.split(key, 3)
-        draft = mx.random.categorical(mx.log(mx.array(q)), key=kd).astype(mx.uint32)
-        n, nxt = accept_sampled(draft, mx.array(q), mx.array(p), ka)
-        emitted = draft[:n].tolist() + [nxt]
-        first.append(emitted[0])
-        if n >= 1:  # given the first draft was kept, the second emitted token follows p_1
-            second.append(emitted[1])
-    assert chi_square_p(np.array(first), p[0]) > 0.001
-    assert chi_square_p(np.array(second), p[1]) > 0.001
+    probs = mx.softmax(mx.array(rng.normal(0, 2, (64, V)), mx.float32), axis=-1)
+    full = np.array(sample(probs, Noise(3, 10)))
+    subsets = mx.array(np.stack([rng.permutation(V)[:8] for _ in range(64)]))  # 8 token ids a row
+    noise = gumbel_of_tokens(MLX_OPS, 3, mx.arange(10, 74), subsets)
+    picked = np.take_along_axis(
+        np.array(subsets), np.array(mx.argmax(mx.log(mx.take_along_axis(probs, subsets, -1)) + noise, -1))[:, None], 1
+    )[:, 0]
+    holds = (np.array(subsets) == full[:, None]).any(1)
+    assert 0 < holds.sum() < 64
+    assert (picked[holds] == full[holds]).all()
 
 
 def test_chi_square_detects_sampling_from_the_drafter():
@@ -123,9 +145,9 @@ class NoisyTargetDrafter(Drafter):
 
     def propose(self, anchor, count, params, key):
         seq, tokens, rows = self.history + [anchor], [], []
-        for k in mx.random.split(key, count):
+        for where in key.rows(count):
             q = self.q(seq, params)
-            t = int(mx.random.categorical(mx.log(q), key=k).item())
+            t = int(sample(q, where).item())
             seq.append(t)
             tokens.append(t)
             rows.append(q)
@@ -182,13 +204,13 @@ def test_speculative_samples_match_target_distribution(small_vocab_pair, params)
 
 def test_auto_width_keeps_the_target_distribution(small_vocab_pair):
     """Widths chosen per round from past rounds (block size auto) leave each token's distribution exact."""
-    from mlx_glimmer.block_policy import AcceptanceModel, WidthPolicy
+    from mlx_glimmer.block_policy import width_policy
     from mlx_glimmer.verify_cost import VerifyCost
 
     target, params = small_vocab_pair.target, SETTINGS[0]
     p1, p2, p3 = exact_marginals(target, params)
     cost = VerifyCost(4, [[1.0, 1.05, 1.1, 1.15] for _ in range(4)])
-    policy = WidthPolicy(cost, AcceptanceModel(3), probe_interval=2)
+    policy = width_policy(4, cost)
     draws, widths, drafter = [], set(), NoisyTargetDrafter(target)
     for seed in range(800):  # as many draws as the fixed-width test takes
         steps = list(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx2 as httpx
 import pytest
@@ -19,6 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from serving import DEMO_MAX_QUEUE  # noqa: E402
+from slow_machine import slow_machine_timeout  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
 from mlx_glimmer import cli  # noqa: E402
@@ -52,12 +53,12 @@ def glimmer(response) -> dict:
 
 
 def test_models_health_and_metrics(server):
-    client = server.client()
+    client = server.client(0)
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert client.models.retrieve("demo").id == "demo"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
-    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+    assert httpx.get(server.root + "/health", timeout=slow_machine_timeout()).json()["status"] == "ok"
     m = server.metrics()
     for name in (
         "glimmer_queue_depth",
@@ -74,7 +75,7 @@ def test_greedy_answer_equals_generate_chat_streamed_and_not(server, bundle, cap
     expected = json.loads(capsys.readouterr().out)
     assert expected["generated_tokens"] == 48
 
-    client = server.client()
+    client = server.client(48)
     whole = client.chat.completions.create(model="demo", messages=ask(STORY), max_tokens=48, temperature=0)
     assert whole.choices[0].message.content == expected["text"]
     assert whole.choices[0].finish_reason == "length"
@@ -99,7 +100,7 @@ def test_greedy_answer_equals_generate_chat_streamed_and_not(server, bundle, cap
 
 
 def test_follow_up_turn_prefills_under_half_its_prompt_and_equals_a_cold_start(server, pair):
-    client = server.client()
+    client = server.client(16)
     messages = ask("Name three colours of the rainbow.")
     first = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
     messages += [
@@ -121,7 +122,7 @@ def continued(pair, prompt: str, tokens: list[int]) -> str:
 
 
 def test_completions_endpoint_and_request_fields(server, pair):
-    client = server.client()
+    client = server.client(10)
     prompt = "The three primary colours are"
     expected = continued(pair, prompt, mlx_glimmer.generate(pair, prompt, max_tokens=10).token_ids)
     whole = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
@@ -156,7 +157,7 @@ def test_completions_endpoint_and_request_fields(server, pair):
 
 
 def conversation(server, index: int) -> list[str]:
-    client = server.client()
+    client = server.client(4, requests=9)  # behind the other clients' turns and the dropped stream
     messages = ask(f"Give me one fact about the number {index + 2}.")
     answers = []
     for turn in range(3):
@@ -169,7 +170,7 @@ def conversation(server, index: int) -> list[str]:
 
 def drop_mid_stream(server) -> int:
     """Start a long stream, read a little of it, hang up; returns the chunks read."""
-    stream = server.client().chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
+    stream = server.client(400).chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
     read = 0
     for chunk in stream:
         read += 1
@@ -198,27 +199,30 @@ def test_eight_clients_three_turns_each_while_another_drops_mid_stream(server):
 def test_a_dropped_stream_stops_within_a_round_and_the_next_request_is_served(server):
     before = server.metrics()
     assert drop_mid_stream(server) == 3
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + slow_machine_timeout(16)  # the round in flight ends, and the stream with it
     key = 'glimmer_requests_total{finish_reason="cancelled"}'
     while server.metrics().get(key, 0) == before.get(key, 0):
         assert time.monotonic() < deadline, "the dropped stream was not cancelled"
         time.sleep(0.2)
     generated = server.metrics()["glimmer_generated_tokens_total"] - before["glimmer_generated_tokens_total"]
     assert generated <= 3 * 16  # the chunks read, plus at most a round or two of 16-token blocks; far from 400
-    r = server.client().chat.completions.create(model="demo", messages=ask("Say hi."), max_tokens=4)
+    r = server.client(4).chat.completions.create(model="demo", messages=ask("Say hi."), max_tokens=4)
     assert r.choices[0].message.content
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
-    stream = server.client().chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
+    stream = server.client(400).chat.completions.create(model="demo", messages=ask(STORY), max_tokens=400, stream=True)
     next(iter(stream))  # the model is busy with this one
     body = {"model": "demo", "messages": ask("Say hi."), "max_tokens": 1}
+    timeout = slow_machine_timeout(1, requests=DEMO_MAX_QUEUE + 1)  # the queue ahead of one of them
     with ThreadPoolExecutor(DEMO_MAX_QUEUE + 4) as pool:
         futures = [
-            pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=300)
+            pool.submit(httpx.post, server.url + "/chat/completions", json=body, timeout=timeout)
             for _ in range(DEMO_MAX_QUEUE + 4)
         ]
-        time.sleep(1.0)
+        for done in as_completed(futures, timeout):
+            if done.result().status_code == 503:  # the queue is full
+                break
         stream.close()
         responses = [f.result() for f in futures]
     refused = [r for r in responses if r.status_code == 503]
@@ -285,7 +289,7 @@ def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server, what, 
         if stream and isinstance(body, dict):
             body = {**body, "stream": True}
             kwargs = {"json": body}
-        r = httpx.post(server.url + "/chat/completions", timeout=60, **kwargs)
+        r = httpx.post(server.url + "/chat/completions", timeout=slow_machine_timeout(), **kwargs)
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
@@ -295,7 +299,7 @@ def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server, what, 
             assert error["code"] == "context_length_exceeded"
         if what == "tools":  # SmolLM2's template has no tool format
             assert error["code"] == "tools_not_supported" and "no tool-call format" in error["message"]
-    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+    assert httpx.get(server.root + "/health", timeout=slow_machine_timeout()).json()["status"] == "ok"
 
 
 def test_bad_completions_and_routes(server):
@@ -306,18 +310,20 @@ def test_bad_completions_and_routes(server):
         ({"model": "demo", "prompt": [10**9]}, "prompt"),
         ({"model": "demo", "prompt": "hi", "logprobs": 21}, "logprobs"),
     ]:
-        r = httpx.post(server.url + "/completions", json=body, timeout=60)
+        r = httpx.post(server.url + "/completions", json=body, timeout=slow_machine_timeout())
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
     huge = httpx.post(
-        server.url + "/chat/completions", json={"model": "demo", "messages": ask("x" * 2**21)}, timeout=60
+        server.url + "/chat/completions",
+        json={"model": "demo", "messages": ask("x" * 2**21)},
+        timeout=slow_machine_timeout(),
     )
     assert huge.status_code == 413 and huge.json()["error"]["message"]
-    assert httpx.get(server.url + "/nowhere").status_code == 404
-    assert httpx.get(server.url + "/chat/completions").status_code == 405
+    assert httpx.get(server.url + "/nowhere", timeout=slow_machine_timeout()).status_code == 404
+    assert httpx.get(server.url + "/chat/completions", timeout=slow_machine_timeout()).status_code == 405
     with pytest.raises(openai.BadRequestError):
-        server.client().chat.completions.create(model="demo", messages=[], max_tokens=4)
+        server.client(4).chat.completions.create(model="demo", messages=[], max_tokens=4)
     with pytest.raises(openai.NotFoundError):
-        server.client().chat.completions.create(model="nope", messages=ask("hi"), max_tokens=4)
+        server.client(4).chat.completions.create(model="nope", messages=ask("hi"), max_tokens=4)
 
 
 def test_serve_flag_errors_are_one_line(capsys):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -24,12 +23,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from serving import DEMO_MAX_BATCH, ServeProcess, collect
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer import DecodeState, SamplingParams
 from mlx_glimmer.cache import WindowedKVCache
 from mlx_glimmer.divergence import mlx_dtype
 from mlx_glimmer.generate import encode_prompt
+from mlx_glimmer.noise import Noise
 from mlx_glimmer.server.batch import (
     BatchPolicy,
     DecodeBatch,
@@ -84,7 +85,7 @@ def metrics(worker) -> dict[str, float]:
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
 
 
-def idle(worker, timeout: float = 30) -> dict[str, float]:
+def idle(worker, timeout: float = slow_machine_timeout()) -> dict[str, float]:
     """/metrics once the worker has gone idle (it sets the batch size gauge to 0 after its last event)."""
     deadline = time.monotonic() + timeout
     while (m := metrics(worker))["glimmer_batch_size"] != 0 or worker.busy:
@@ -111,7 +112,7 @@ def assert_cached_drafter_followed(worker, pair, prompt) -> None:
     cold = Conversation(DecodeState(), copy.copy(pair.drafter))
     mlx_glimmer.generate(replace(pair, drafter=cold.drafter), warm.tokens, max_tokens=1, block_size=4, state=cold.state)
     assert cold.tokens == warm.tokens
-    params, key = SamplingParams(temperature=1.0), mx.random.key(0)
+    params, key = SamplingParams(temperature=1.0), Noise(0, len(warm.tokens))
     _, warm_probs = warm.drafter.propose(warm.tokens[-1], 3, params, key)
     _, cold_probs = cold.drafter.propose(cold.tokens[-1], 3, params, key)
     assert mx.allclose(warm_probs, cold_probs, atol=1e-4).item()
@@ -191,14 +192,15 @@ def test_a_lone_request_stays_speculative(llama_worker, llama_pair):
 
 def test_a_lone_request_joins_a_batch_when_others_arrive_and_goes_back_to_speculative(llama_worker, llama_pair):
     long_prompt = PROMPTS[1] + list(b" More.")
-    first = submit(llama_worker, long_prompt, max_tokens=48, block_size=4)
-    got = first.get(timeout=300)  # it is decoding alone ...
+    # Long enough that the others arrive while it decodes, however the machine's load paces the two threads.
+    first = submit(llama_worker, long_prompt, max_tokens=160, block_size=4)
+    got = first.get(timeout=slow_machine_timeout(1))  # it is decoding alone ...
     assert isinstance(got, Delta)
     others = [submit(llama_worker, p + list(b"!"), max_tokens=8, block_size=4) for p in PROMPTS[2:]]
     text, done = collect(first)
     text = got.text + text
     rest = [collect(q) for q in others]
-    ref = solo(llama_pair, long_prompt, max_tokens=48, block_size=4)
+    ref = solo(llama_pair, long_prompt, max_tokens=160, block_size=4)
     assert_equal_or_tie(llama_pair, long_prompt, ref.token_ids, done.token_ids, 3)
     assert 0 < done.batched_tokens < done.stats.generated_tokens  # alone, then in a batch ...
     widths = done.stats.verify_widths  # speculative rounds verify 4 (block 4), batched steps 1 token each
@@ -244,7 +246,7 @@ def test_stop_strings_cancels_and_sampling_inside_a_batch(llama_worker, llama_pa
     dropped = submit(llama_worker, PROMPTS[1], max_tokens=200, block_size=4)
     sampled = submit(llama_worker, PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.9, seed=3)
     plain = submit(llama_worker, PROMPTS[3], max_tokens=16, speculative=False)
-    while not isinstance(dropped.get(timeout=300), Delta):
+    while not isinstance(dropped.get(timeout=slow_machine_timeout(24, requests=2)), Delta):
         pass
     text, done = collect(cut)
     assert done.finish_reason == "stop" and text == ref.text[: ref.text.index(stop)] and done.batched_tokens > 0
@@ -333,7 +335,7 @@ def test_a_long_prompt_joins_a_running_batch_in_chunks_while_it_keeps_decoding(l
     running, joining = PROMPTS[1] + list(b" More."), PROMPTS[2] * 3  # 26 and 60 tokens
     try:
         first = submit(worker, running, max_tokens=96, block_size=4)
-        assert isinstance(first.get(timeout=300), Delta)  # it is decoding alone ...
+        assert isinstance(first.get(timeout=slow_machine_timeout(1)), Delta)  # it is decoding alone ...
         second = submit(worker, joining, max_tokens=8, block_size=4)
         (_, a), (_, b) = collect(first), collect(second)
         m = idle(worker)
@@ -504,7 +506,7 @@ def submit_in_turn(worker, prompts, deltas: int = 8, **settings) -> list[queue.Q
     queues = []
     for prompt in prompts:
         if queues:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + slow_machine_timeout(deltas)
             while queues[-1].qsize() < deltas:
                 assert time.monotonic() < deadline, "the request before did not start"
                 time.sleep(0.005)
@@ -550,7 +552,8 @@ def test_muse_requests_joining_at_different_times_decode_together_and_equal_thei
 def post(server: ServeProcess, body: dict) -> dict:
     import httpx2 as httpx
 
-    r = httpx.post(server.url + "/chat/completions", json=body, timeout=600)
+    timeout = slow_machine_timeout(body["max_tokens"], requests=DEMO_MAX_BATCH)  # the others may go first
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -575,21 +578,9 @@ def test_demo_four_concurrent_clients_are_batched_and_equal_solo_greedy(demo):
     before = server.metrics().get(key, 0)
     messages = [ask(f"Tell me something interesting about {t}.") for t in TOPICS]
     body = {"model": "demo", "max_tokens": 32, "temperature": 0}
-    seen, running = [], threading.Event()
-
-    def watch():  # the batch size gauge while the clients run
-        while not running.is_set():
-            seen.append(server.metrics()["glimmer_batch_size"])
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     with ThreadPoolExecutor(len(messages)) as pool:
         replies = list(pool.map(lambda m: post(server, {**body, "messages": m}), messages))
-    running.set()
-    watcher.join()
-    assert max(seen) > 1
-    assert server.metrics()[key] > before
+    assert server.metrics()[key] > before  # steps of all four together
     for m, reply in zip(messages, replies):
         ref = mlx_glimmer.generate(pair, m, max_tokens=32, speculative=False)  # solo greedy: the target's, quicker
         stats = reply["glimmer"]

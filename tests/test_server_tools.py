@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 
 import scripted_serve  # noqa: E402
 from serving import ServeProcess  # noqa: E402
+from slow_machine import slow_machine_timeout  # noqa: E402
 
 import mlx_glimmer  # noqa: E402
 from mlx_glimmer.channels import split_channels  # noqa: E402
@@ -118,7 +119,9 @@ def with_template(src: Path, dst: Path, template: str, extra_specials: list[str]
 class Server(ServeProcess):
     """`mlx-glimmer serve` on a scripted target, in its own process."""
 
-    def __init__(self, spec: Path, target: Path, drafter: Path, timeout: float = 300, *, wait: bool = True):
+    def __init__(
+        self, spec: Path, target: Path, drafter: Path, timeout: float = slow_machine_timeout(), *, wait: bool = True
+    ):
         cmd = [sys.executable, str(HERE / "scripted_serve.py"), str(spec), "--", "serve", str(target)]
         cmd += ["--drafter", str(drafter), "--port", "0", "--max-queue", "4", "--model-name", "tiny", "--tree", "off"]
         super().__init__(cmd, timeout=timeout, wait=wait)
@@ -203,7 +206,7 @@ def streamed(stream) -> dict:
 
 def ask(server, messages, **kwargs):
     kwargs = {"max_tokens": MAX_TOKENS, "temperature": 0, **kwargs}
-    return server.client().chat.completions.create(model="tiny", messages=messages, **kwargs)
+    return server.client(kwargs["max_tokens"]).chat.completions.create(model="tiny", messages=messages, **kwargs)
 
 
 # ---- tool calls ------------------------------------------------------------------------------------------
@@ -295,7 +298,7 @@ def test_required_and_named_tool_choice_are_checked(muse):
         line
         for line in httpx.post(
             server.url + "/chat/completions",
-            timeout=120,
+            timeout=slow_machine_timeout(MAX_TOKENS),
             json={
                 "model": "tiny",
                 "messages": ASK,
@@ -368,13 +371,13 @@ BAD_TOOLS = [
 def test_malformed_tools_get_a_400(muse, what, fields, param):
     server, _ = muse
     body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **fields}
-    r = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=slow_machine_timeout())
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, error
     if what == "name with spaces":
         with pytest.raises(openai.BadRequestError):
-            server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=4, tools=fields["tools"])
+            server.client(4).chat.completions.create(model="tiny", messages=ASK, max_tokens=4, tools=fields["tools"])
 
 
 # ---- reasoning -------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_a_locked_database_fails_in_one_line_after_the_busy_timeout(tmp_path):
         tic = time.monotonic()
         with pytest.raises(StoreError, match="locked") as e:
             store.add_turn(cid, a_turn(), processed=[1], settings=Settings())
-        assert time.monotonic() - tic < 5 and "\n" not in str(e.value)
+        assert time.monotonic() - tic < 60 and "\n" not in str(e.value)  # the lock stays: a wait for it never ends
         assert e.value.busy  # a lock passes: the app keeps the turn queued (tests/test_history_lock.py)
         assert store.list()[0].turns == 0  # readers still read under WAL
     finally:

@@ -28,7 +28,9 @@ from mlx_glimmer.tui.store import Store, format_list, resolve
 from mlx_glimmer.tui.stored_fields import MAX_IDS, MAX_JSON_BYTES, WIDEST_VERIFY, json_object, stats
 
 SETTINGS = Settings.of(temperature=0.5, block_size=4, system="Be brief.")
-OPEN_S = 1.0  # the most opening a conversation may take, damaged or not
+# The most opening a conversation may take, damaged or not: a damaged field once made it take a minute, and it
+# takes a small fraction of a second now, so the bound holds on a CPU shared with other jobs and still fails that.
+OPEN_S = 5.0
 DEEP = "[" * 100_000 + "]" * 100_000
 
 

@@ -1,4 +1,4 @@
-"""Draft trees on MLX, as a specification.
+"""Draft trees, as a specification, on every array library the tree module runs on (MLX and torch).
 
 A best-first tree holds the `budget` most likely prefixes of the drafter's per-position distributions, parents
 first; the n-gram lookup's branch joins it, merged where it repeats a model node. A tree verify gives every node
@@ -20,16 +20,19 @@ import pytest
 import tiny_checkpoints as tc
 from oracle_drafter import OracleDrafter, TreeOracle
 from scipy.stats import chisquare
+from table_timed import table_timed
+from tree_libraries import LIBRARIES
 
 import mlx_glimmer
-from mlx_glimmer import tree as mlx_tree
 from mlx_glimmer.block_policy import TREE_WIDTHS, width_policy
 from mlx_glimmer.cache import WindowedKVCache
 from mlx_glimmer.drafters.base import Drafter, Marginals
 from mlx_glimmer.generate import encode_prompt
+from mlx_glimmer.noise import Noise
 from mlx_glimmer.sampling import probabilities
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.tree import LOOKUP, MODEL, DraftTree, read_path
 from mlx_glimmer.verify_cost import VerifyCost
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several windows of 8
@@ -37,29 +40,19 @@ N_TOKENS = 150  # the prompt and these run over 20 windows of 8
 WINDOW6_TOKENS = 300  # trees of 31 nodes on a window of 6: 50 windows past it
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SAMPLED = SamplingParams(temperature=0.8, top_k=5)
+MLX = LIBRARIES["mlx"]  # the library of the MLX targets below
 
 
 def tokens_of(steps):
     return [t for s in steps for t in s.tokens]
 
 
-def handmade_tree(parents: list[int], tokens: list[int], sources: list[int] | None = None) -> mlx_tree.DraftTree:
-    """A `DraftTree` from parent indices (0: the anchor) and tokens, nodes numbered from 1, parents first."""
-    depths = [0]
-    for p in parents:
-        depths.append(depths[p] + 1)
-    parents_arr = mx.array(parents, dtype=mx.int32)
-    return mlx_tree.DraftTree(
-        mx.array(tokens, dtype=mx.uint32),
-        parents_arr,
-        mx.array(depths, dtype=mx.int32),
-        mx.array(sources or [mlx_tree.MODEL] * len(parents), dtype=mx.int32),
-        mlx_tree.ancestor_matrix(parents_arr, max(depths)),
-        max(depths),
-    )
+@pytest.fixture(params=sorted(LIBRARIES))
+def lib(request):
+    return LIBRARIES[request.param]
 
 
-def random_tree(seed: int, size: int, vocab: int = 272, most: int = 3) -> mlx_tree.DraftTree:
+def random_tree(lib, seed: int, size: int, vocab: int = 272, most: int = 3) -> DraftTree:
     """A bushy tree of `size` nodes: 1 to `most` nodes a depth, each under a random node of the depth above."""
     rng = np.random.default_rng(seed)
     parents, previous = [], [0]
@@ -69,10 +62,10 @@ def random_tree(seed: int, size: int, vocab: int = 272, most: int = 3) -> mlx_tr
             parents.append(int(rng.choice(previous)))
             level.append(len(parents))
         previous = level
-    return handmade_tree(parents, rng.integers(0, vocab, size).tolist())
+    return lib.handmade_tree(parents, rng.integers(0, vocab, size).tolist())
 
 
-def path_to(tree: mlx_tree.DraftTree, node: int) -> list[int]:
+def path_to(tree: DraftTree, node: int) -> list[int]:
     """[0, ..., node]: the positions from the anchor down to `node`."""
     parents = [0] + tree.parents.tolist()
     path = [node]
@@ -136,11 +129,11 @@ def check_tree_shape(tokens: list[int], parents: list[int], depths: list[int]) -
 
 
 @pytest.mark.parametrize("vocab_size, depth", [(7, 3), (5, 4)])
-def test_best_first_holds_exactly_the_budget_best_prefixes(vocab_size, depth):
+def test_best_first_holds_exactly_the_budget_best_prefixes(lib, vocab_size, depth):
     rng = np.random.default_rng(vocab_size)
     log_probs = log_softmax(rng.standard_normal((depth, vocab_size)) * 1.5)
     for budget in range(1, vocab_size + 1):
-        tokens, parents, depths = (a.tolist() for a in mlx_tree.best_first(mx.array(log_probs), budget))
+        tokens, parents, depths = (a.tolist() for a in lib.trees.best_first(lib.floats(log_probs), budget))
         assert len(tokens) == len(parents) == len(depths) == budget
         check_tree_shape(tokens, parents, depths)
         got = [prefix_of(tokens, parents, i) for i in range(1, budget + 1)]
@@ -148,27 +141,27 @@ def test_best_first_holds_exactly_the_budget_best_prefixes(vocab_size, depth):
         assert set(got) == best_prefixes(log_probs, budget), budget
 
 
-def test_best_first_with_a_budget_wider_than_the_vocabulary():
+def test_best_first_with_a_budget_wider_than_the_vocabulary(lib):
     log_probs = log_softmax(np.random.default_rng(4).standard_normal((3, 4)) * 1.5)
     for budget in range(5, 20):
-        tokens, parents, _ = (a.tolist() for a in mlx_tree.best_first(mx.array(log_probs), budget))
+        tokens, parents, _ = (a.tolist() for a in lib.trees.best_first(lib.floats(log_probs), budget))
         got = {prefix_of(tokens, parents, i) for i in range(1, len(tokens) + 1)}
         assert got == best_prefixes(log_probs, budget), budget
 
 
-def test_best_first_maps_columns_through_the_drafters_vocabulary_and_survives_a_certain_token():
+def test_best_first_maps_columns_through_the_drafters_vocabulary_and_survives_a_certain_token(lib):
     rng = np.random.default_rng(2)
     log_probs = log_softmax(rng.standard_normal((4, 6)) * 2)
     vocab = np.array([100, 7, 55, 3, 200, 9], dtype=np.int32)
-    plain = [a.tolist() for a in mlx_tree.best_first(mx.array(log_probs), 6)]
-    mapped = [a.tolist() for a in mlx_tree.best_first(mx.array(log_probs), 6, mx.array(vocab))]
+    plain = [a.tolist() for a in lib.trees.best_first(lib.floats(log_probs), 6)]
+    mapped = [a.tolist() for a in lib.trees.best_first(lib.floats(log_probs), 6, lib.ints(vocab))]
     assert mapped[0] == vocab[plain[0]].tolist() and mapped[1:] == plain[1:]
 
     # A position the drafter is sure of (log-probability 0) still puts every child strictly below its parent.
     sure = np.full((5, 8), -20.0, np.float32)
     sure[:, 3] = 0.0
     sure[1, 5] = -0.5
-    tokens, parents, depths = (a.tolist() for a in mlx_tree.best_first(mx.array(sure), 7))
+    tokens, parents, depths = (a.tolist() for a in lib.trees.best_first(lib.floats(sure), 7))
     check_tree_shape(tokens, parents, depths)
     assert {prefix_of(tokens, parents, i) for i in range(1, 8)} == {
         (3,),
@@ -181,12 +174,12 @@ def test_best_first_maps_columns_through_the_drafters_vocabulary_and_survives_a_
     }
 
 
-def test_model_tree_is_the_best_first_tree_with_its_ancestors():
+def test_model_tree_is_the_best_first_tree_with_its_ancestors(lib):
     log_probs = log_softmax(np.random.default_rng(3).standard_normal((5, 30)) * 2)
-    tree = mlx_tree.model_tree(mx.array(log_probs), 12)
+    tree = lib.trees.model_tree(lib.floats(log_probs), 12)
     assert tree.size == 12 and not tree.chain and tree.max_depth == 5
-    assert set(tree.sources.tolist()) == {mlx_tree.MODEL}
-    ancestors = np.array(tree.ancestors)
+    assert set(tree.sources.tolist()) == {MODEL}
+    ancestors = np.array(tree.ancestors.tolist())
     for node in range(13):
         assert np.flatnonzero(ancestors[node]).tolist() == path_to(tree, node)
 
@@ -194,73 +187,113 @@ def test_model_tree_is_the_best_first_tree_with_its_ancestors():
 # --- merging the lookup branch ------------------------------------------------------------------------------------
 
 
-def peaked(rows: list[dict[int, float]], vocab: int = 50) -> mx.array:
+def peaked(rows: list[dict[int, float]], vocab: int = 50) -> np.ndarray:
     """Log-probabilities [D, vocab]: each row's listed tokens get the listed logits, the rest -8."""
     logits = np.full((len(rows), vocab), -8.0, np.float32)
     for r, row in enumerate(rows):
         for t, v in row.items():
             logits[r, t] = v
-    return mx.array(log_softmax(logits))
+    return log_softmax(logits)
 
 
-def test_merged_tree_adds_the_lookup_branch_and_merges_what_the_model_already_has():
+def test_merged_tree_adds_the_lookup_branch_and_merges_what_the_model_already_has(lib):
     # The model's best prefixes: 10, 10-11, 10-11-12, 20 (a second guess at position 1), 10-21, ...
     log_probs = peaked([{10: 5.0, 20: 4.0}, {11: 5.0, 21: 4.0}, {12: 5.0, 22: 4.0}])
-    model = mlx_tree.model_tree(log_probs, 6)
+    model = lib.trees.model_tree(lib.floats(log_probs), 6)
     model_prefixes = [prefix_of(model.tokens.tolist(), model.parents.tolist(), i) for i in range(1, 7)]
 
-    merged = mlx_tree.merged_tree(log_probs, 9, [10, 11, 30])  # the lookup repeats 10-11, then goes its own way
+    merged = lib.trees.merged_tree(
+        lib.floats(log_probs), 9, [10, 11, 30]
+    )  # the lookup repeats 10-11, then goes its own way
     assert merged.size == 9 and merged.max_depth == 3
     tokens, parents, sources = merged.tokens.tolist(), merged.parents.tolist(), merged.sources.tolist()
     assert [prefix_of(tokens, parents, i) for i in range(1, 7)] == model_prefixes  # the model's nodes come first
     node_10, node_11 = model_prefixes.index((10,)) + 1, model_prefixes.index((10, 11)) + 1
-    both = mlx_tree.MODEL | mlx_tree.LOOKUP
+    both = MODEL | LOOKUP
     assert sources[node_10 - 1] == sources[node_11 - 1] == both
-    assert all(sources[i - 1] == mlx_tree.MODEL for i in range(1, 7) if i not in (node_10, node_11))
+    assert all(sources[i - 1] == MODEL for i in range(1, 7) if i not in (node_10, node_11))
     # The branch continues under the merged node: 30 hangs from the model's 10-11.
-    assert tokens[6:] == [10, 11, 30] and sources[6:] == [mlx_tree.LOOKUP] * 3
+    assert tokens[6:] == [10, 11, 30] and sources[6:] == [LOOKUP] * 3
     assert parents[8] == node_11 and prefix_of(tokens, parents, 9) == (10, 11, 30)
     # The merged lookup nodes stay as duplicate leaves of the same prefixes (the verify width is fixed).
     assert prefix_of(tokens, parents, 7) == (10,) and prefix_of(tokens, parents, 8) == (10, 11)
     assert 7 not in parents and 8 not in parents
     assert all(p < i for i, p in enumerate(parents, 1))
-    assert np.flatnonzero(np.array(merged.ancestors)[9]).tolist() == [0, node_10, node_11, 9]
+    assert np.flatnonzero(np.array(merged.ancestors.tolist())[9]).tolist() == [0, node_10, node_11, 9]
 
     # A lookup that the model does not predict is a branch of its own from the anchor.
-    apart = mlx_tree.merged_tree(log_probs, 8, [40, 41])
+    apart = lib.trees.merged_tree(lib.floats(log_probs), 8, [40, 41])
     tokens, parents, sources = apart.tokens.tolist(), apart.parents.tolist(), apart.sources.tolist()
     assert apart.size == 8 and tokens[6:] == [40, 41] and parents[6:] == [0, 7]
-    assert sources == [mlx_tree.MODEL] * 6 + [mlx_tree.LOOKUP] * 2
+    assert sources == [MODEL] * 6 + [LOOKUP] * 2
     assert apart.max_depth == 3 and apart.depths.tolist()[7:] == [1, 2]
 
     # The lookup deeper than the drafter: the tree's depth follows it.
-    deep = mlx_tree.merged_tree(log_probs, 10, [49, 48, 47, 46, 45])
+    deep = lib.trees.merged_tree(lib.floats(log_probs), 10, [49, 48, 47, 46, 45])
     assert deep.size == 10 and deep.max_depth == 5
 
 
-def test_merged_tree_maps_the_model_through_its_vocabulary_before_merging():
+def test_merged_tree_maps_the_model_through_its_vocabulary_before_merging(lib):
     log_probs = peaked([{1: 5.0, 2: 4.0}, {3: 5.0}], vocab=6)
-    vocab = mx.array([900, 901, 902, 903, 904, 905], dtype=mx.int32)
-    merged = mlx_tree.merged_tree(log_probs, 5, [901, 903], vocab)  # target ids: the model's columns 1, 3
+    vocab = lib.ints([900, 901, 902, 903, 904, 905])
+    merged = lib.trees.merged_tree(lib.floats(log_probs), 5, [901, 903], vocab)  # target ids: the model's columns 1, 3
     tokens, parents, sources = merged.tokens.tolist(), merged.parents.tolist(), merged.sources.tolist()
     prefixes = [prefix_of(tokens, parents, i) for i in range(1, 6)]
     assert set(prefixes[:3]) == {(901,), (901, 903), (902,)} and prefixes[3:] == [(901,), (901, 903)]
-    both = mlx_tree.MODEL | mlx_tree.LOOKUP
-    assert sources == [both if p != (902,) else mlx_tree.MODEL for p in prefixes[:3]] + [mlx_tree.LOOKUP] * 2
+    both = MODEL | LOOKUP
+    assert sources == [both if p != (902,) else MODEL for p in prefixes[:3]] + [LOOKUP] * 2
 
 
-def test_lookup_only_without_marginals_or_budget():
-    only = mlx_tree.merged_tree(None, 6, [5, 6, 7])
+def test_lookup_only_without_marginals_or_budget(lib):
+    only = lib.trees.merged_tree(None, 6, [5, 6, 7])
     assert only.chain and only.size == 3 and only.tokens.tolist() == [5, 6, 7]
-    assert only.parents.tolist() == [0, 1, 2] and only.sources.tolist() == [mlx_tree.LOOKUP] * 3
-    capped = mlx_tree.merged_tree(None, 2, [5, 6, 7])
+    assert only.parents.tolist() == [0, 1, 2] and only.sources.tolist() == [LOOKUP] * 3
+    capped = lib.trees.merged_tree(None, 2, [5, 6, 7])
     assert capped.tokens.tolist() == [5, 6] and capped.chain
-    no_room = mlx_tree.merged_tree(peaked([{1: 5.0}, {2: 5.0}]), 3, [5, 6, 7])  # the lookup fills the budget
+    no_room = lib.trees.merged_tree(
+        lib.floats(peaked([{1: 5.0}, {2: 5.0}])), 3, [5, 6, 7]
+    )  # the lookup fills the budget
     assert no_room.chain and no_room.tokens.tolist() == [5, 6, 7]
-    model_only = mlx_tree.merged_tree(peaked([{1: 5.0}, {2: 5.0}]), 3, [])
-    assert not model_only.chain and model_only.size == 3 and set(model_only.sources.tolist()) == {mlx_tree.MODEL}
-    chain = mlx_tree.chain(mx.array([4, 5, 6], dtype=mx.uint32))
+    model_only = lib.trees.merged_tree(lib.floats(peaked([{1: 5.0}, {2: 5.0}])), 3, [])
+    assert not model_only.chain and model_only.size == 3 and set(model_only.sources.tolist()) == {MODEL}
+    chain = lib.trees.chain(lib.tokens([4, 5, 6]))
     assert chain.chain and chain.parents.tolist() == [0, 1, 2] and chain.depths.tolist() == [0, 1, 2, 3]
+
+
+# --- one module, every library ------------------------------------------------------------------------------------
+
+
+def test_every_library_builds_the_same_trees_masks_and_greedy_verdicts():
+    mlx, torch_lib = LIBRARIES["mlx"], LIBRARIES["torch"]
+    rng = np.random.default_rng(0)
+    log_probs = log_softmax(rng.standard_normal((6, 40)) * 3)
+    vocab = np.arange(100, 140)
+    for budget, lookup, mapped in ((9, [], False), (12, [7, 3, 9], False), (63, [101, 102], True), (4, [5] * 6, False)):
+        trees = [
+            lib.trees.merged_tree(lib.floats(log_probs), budget, lookup, lib.ints(vocab) if mapped else None)
+            for lib in (mlx, torch_lib)
+        ]
+        for field in ("tokens", "parents", "depths", "sources", "ancestors"):
+            assert [getattr(t, field).tolist() for t in trees] == [getattr(trees[1], field).tolist()] * 2
+        assert trees[0].max_depth == trees[1].max_depth and trees[0].chain == trees[1].chain
+        for before, window in ((0, None), (5, None), (3, 4), (20, 8)):
+            masks = [lib.trees.attention_mask(t, before, window).tolist() for lib, t in zip((mlx, torch_lib), trees)]
+            assert masks[0] == masks[1]
+        logits = rng.standard_normal((trees[0].size + 1, 300)).astype(np.float32)
+        logits[1:, trees[1].tokens.tolist()] += 5.0  # some nodes agree with their parent's choice
+        verdicts = [lib.trees.verdict(t, lib.floats(logits), GREEDY, None) for lib, t in zip((mlx, torch_lib), trees)]
+        assert verdicts[0].tolist() == verdicts[1].tolist()
+        path = read_path(verdicts[1].tolist(), trees[1].size)
+        assert path.positions == path_to(trees[1], path.positions[-1])
+        tables = [
+            lib.trees.round_logprobs(lib.floats(logits), t, v, 3)
+            for lib, t, v in zip((mlx, torch_lib), trees, verdicts)
+        ]
+        floats = [
+            np.array(table.tolist(), np.int32)[: trees[0].size + 1 + 3 * (trees[0].size + 1)].view(np.float32)
+            for table in tables
+        ]
+        np.testing.assert_allclose(floats[0], floats[1], atol=1e-5)
 
 
 # --- the mask and the cache ----------------------------------------------------------------------------------------
@@ -281,7 +314,7 @@ def last_logits(target, tokens: list[int], cache) -> np.ndarray:
     return np.array(target.head(hidden[-1]).astype(mx.float32))
 
 
-def tree_verify(target, cache, anchor: int, tree: mlx_tree.DraftTree) -> np.ndarray:
+def tree_verify(target, cache, anchor: int, tree: DraftTree) -> np.ndarray:
     hidden, _ = target.forward(target.join(target.tokens([anchor]), tree.tokens), cache, capture=False, tree=tree)
     return np.array(target.head(hidden).astype(mx.float32))
 
@@ -293,7 +326,7 @@ def target(request):
 
 
 def test_a_tree_verify_gives_every_node_the_logits_of_its_path_as_a_chain(target):
-    tree = random_tree(0, 31)
+    tree = random_tree(MLX, 0, 31)
     assert tree.max_depth > 8  # deeper than Muse's window of 8
     prefix, anchor = CONTEXT[:-1], CONTEXT[-1]
     cache = prefilled(target, prefix)
@@ -319,7 +352,7 @@ def cache_arrays(cache) -> list[tuple[int, np.ndarray, np.ndarray]]:
 
 
 def test_keeping_a_side_branch_leaves_the_cache_the_chain_leaves(target):
-    tree = random_tree(1, 31)
+    tree = random_tree(MLX, 1, 31)
     prefix, anchor = CONTEXT[:-1], CONTEXT[-1]
     deepest = [n for n in range(tree.size + 1) if int(tree.depths[n]) == tree.max_depth]
     # A deep path that is not a prefix of the verify: its rows move down in the cache.
@@ -343,7 +376,7 @@ def test_keeping_a_side_branch_leaves_the_cache_the_chain_leaves(target):
             last_logits(target, [token], cache), last_logits(target, [token], reference), atol=1e-4, rtol=1e-4
         )
     # A second tree round on the compacted cache agrees with one on the chain's.
-    again = random_tree(2, 15)
+    again = random_tree(MLX, 2, 15)
     np.testing.assert_allclose(
         tree_verify(target, cache, 17, again), tree_verify(target, reference, 17, again), atol=1e-4, rtol=1e-4
     )
@@ -351,7 +384,7 @@ def test_keeping_a_side_branch_leaves_the_cache_the_chain_leaves(target):
 
 def test_keeping_a_prefix_of_the_verify_is_a_trim(muse_pair):
     target = muse_pair.target
-    tree = random_tree(3, 12)
+    tree = random_tree(MLX, 3, 12)
     cache = prefilled(target, PROMPT[:-1])
     tree_verify(target, cache, PROMPT[-1], tree)
     target.keep(cache, [0, 1], tree.size + 1)  # the anchor and its first child: positions 0, 1 stay put
@@ -367,7 +400,7 @@ def test_keeping_a_prefix_of_the_verify_is_a_trim(muse_pair):
 GREEDY = SamplingParams()
 
 
-def walk(tree: mlx_tree.DraftTree, chosen: list[int]) -> int:
+def walk(tree: DraftTree, chosen: list[int]) -> int:
     """By hand: the deepest node whose every token on its path is its parent's choice (lowest index first)."""
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     accepted = [True]
@@ -376,11 +409,11 @@ def walk(tree: mlx_tree.DraftTree, chosen: list[int]) -> int:
     return max((i for i in range(tree.size + 1) if accepted[i]), key=lambda i: (depths[i], -i))
 
 
-def test_the_greedy_verdict_takes_the_deepest_path_of_argmaxes():
+def test_the_greedy_verdict_takes_the_deepest_path_of_argmaxes(lib):
     vocab = 12
     for seed in range(20):
         rng = np.random.default_rng(seed)
-        tree = random_tree(seed, int(rng.integers(1, 32)), vocab=vocab)
+        tree = random_tree(lib, seed, int(rng.integers(1, 32)), vocab=vocab)
         logits = rng.standard_normal((tree.size + 1, vocab)).astype(np.float32)
         argmax = logits.argmax(-1)
         # Make about two thirds of the nodes their parent's argmax, so long paths exist.
@@ -388,60 +421,59 @@ def test_the_greedy_verdict_takes_the_deepest_path_of_argmaxes():
         for i, p in enumerate(tree.parents.tolist()):
             if rng.random() < 0.65:
                 tokens[i] = int(argmax[p])
-        tree = dataclasses.replace(tree, tokens=mx.array(tokens, dtype=mx.uint32))
+        tree = dataclasses.replace(tree, tokens=lib.tokens(tokens))
         best = walk(tree, argmax.tolist())
-        values = mlx_tree.verdict(tree, mx.array(logits), GREEDY, None).tolist()
-        path = mlx_tree.read_path(values, tree.size)
+        values = lib.trees.verdict(tree, lib.floats(logits), GREEDY, None).tolist()
+        path = read_path(values, tree.size)
         assert path.positions == path_to(tree, best) and path.depth == int(tree.depths[best])
         assert path.next_token == argmax[best]
         assert values[0] == path.depth and len(values) == 2 + (tree.size + 1) + tree.size
 
 
-def test_the_greedy_verdict_reads_who_proposed_the_path():
+def test_the_greedy_verdict_reads_who_proposed_the_path(lib):
     # anchor -> 5 (model) -> 6 (both) ; 5' (a lookup duplicate of 5, a leaf)
-    tree = handmade_tree([0, 1, 0], [5, 6, 5], [mlx_tree.MODEL, mlx_tree.MODEL | mlx_tree.LOOKUP, mlx_tree.LOOKUP])
+    tree = lib.handmade_tree([0, 1, 0], [5, 6, 5], [MODEL, MODEL | LOOKUP, LOOKUP])
     logits = np.zeros((4, 10), np.float32)
     logits[0, 5] = logits[1, 6] = logits[3, 6] = logits[2, 9] = 1.0
-    path = mlx_tree.read_path(mlx_tree.verdict(tree, mx.array(logits), GREEDY, None).tolist(), tree.size)
+    path = read_path(lib.trees.verdict(tree, lib.floats(logits), GREEDY, None).tolist(), tree.size)
     assert path.positions == [0, 1, 2] and path.next_token == 9
-    assert path.sources == [mlx_tree.MODEL, mlx_tree.MODEL | mlx_tree.LOOKUP]
+    assert path.sources == [MODEL, MODEL | LOOKUP]
     logits[1, 6], logits[1, 7] = 0.0, 1.0  # 6 rejected: two paths of depth 1, the lower index wins
-    path = mlx_tree.read_path(mlx_tree.verdict(tree, mx.array(logits), GREEDY, None).tolist(), tree.size)
+    path = read_path(lib.trees.verdict(tree, lib.floats(logits), GREEDY, None).tolist(), tree.size)
     assert path.positions == [0, 1] and path.next_token == 7
     logits[0, 5], logits[0, 4] = 0.0, 1.0  # nothing kept: the anchor's choice is the next token
-    path = mlx_tree.read_path(mlx_tree.verdict(tree, mx.array(logits), GREEDY, None).tolist(), tree.size)
+    path = read_path(lib.trees.verdict(tree, lib.floats(logits), GREEDY, None).tolist(), tree.size)
     assert path.positions == [0] and path.next_token == 4 and path.sources == []
 
 
-def test_the_chain_verdict_is_rejection_samplings_in_the_trees_form():
-    chain = mlx_tree.chain(mx.array([4, 5, 6], dtype=mx.uint32), mlx_tree.LOOKUP)
-    values = mlx_tree.chain_verdict(chain, mx.array([2, 9])).tolist()
-    assert values == [2, 9, 1, 1, 1, 0] + [mlx_tree.LOOKUP] * 3
-    path = mlx_tree.read_path(values, chain.size)
+def test_the_chain_verdict_is_rejection_samplings_in_the_trees_form(lib):
+    chain = lib.trees.chain(lib.tokens([4, 5, 6]), LOOKUP)
+    values = lib.trees.chain_verdict(chain, lib.ints([2, 9])).tolist()
+    assert values == [2, 9, 1, 1, 1, 0] + [LOOKUP] * 3
+    path = read_path(values, chain.size)
     assert path.positions == [0, 1, 2] and path.next_token == 9 and path.depth == 2
 
 
-def test_sampled_choices_share_noise_by_depth_so_duplicates_agree():
+def test_sampled_choices_share_noise_by_depth_so_duplicates_agree(lib):
     # anchor -> 3 -> 4 ; 3' (duplicate of 3) -> 4' ; 7 -> 1: rows of equal paths get equal logits
-    tree = handmade_tree([0, 1, 0, 3, 0, 5], [3, 4, 3, 4, 7, 1])
+    tree = lib.handmade_tree([0, 1, 0, 3, 0, 5], [3, 4, 3, 4, 7, 1])
     rng = np.random.default_rng(0)
     rows = {(): 0, (3,): 1, (3, 4): 2, (7,): 3, (7, 1): 4}
     table = rng.standard_normal((5, 16)).astype(np.float32) * 2
     paths = [(), (3,), (3, 4), (3,), (3, 4), (7,), (7, 1)]
-    logits = mx.array(table[[rows[p] for p in paths]])
-    without = handmade_tree([0, 1, 0, 3], [3, 4, 7, 1])  # the same tree, duplicates removed, same depth
-    without_logits = mx.array(table[[rows[p] for p in [(), (3,), (3, 4), (7,), (7, 1)]]])
+    logits = lib.floats(table[[rows[p] for p in paths]])
+    without = lib.handmade_tree([0, 1, 0, 3], [3, 4, 7, 1])  # the same tree, duplicates removed, same depth
+    without_logits = lib.floats(table[[rows[p] for p in [(), (3,), (3, 4), (7,), (7, 1)]]])
     for seed in range(200):
-        key = mx.random.key(seed)
-        chosen = mlx_tree.choices(logits, tree, SAMPLED, key).tolist()
+        chosen = lib.trees.choices(logits, tree, SAMPLED, Noise(seed, 40)).tolist()
         assert chosen[1] == chosen[3] and chosen[2] == chosen[4]  # duplicates draw the same sample
-        ours = mlx_tree.verdict(tree, logits, SAMPLED, key).tolist()
-        theirs = mlx_tree.verdict(without, without_logits, SAMPLED, key).tolist()
+        ours = lib.trees.verdict(tree, logits, SAMPLED, Noise(seed, 40)).tolist()
+        theirs = lib.trees.verdict(without, without_logits, SAMPLED, Noise(seed, 40)).tolist()
         assert ours[:2] == theirs[:2], "a duplicate changed the outcome"
 
 
-def test_a_sampled_tree_round_commits_tokens_of_the_targets_filtered_distribution():
-    """The committed tokens of one tree round, over many keys: the first follows the target's filtered
+def test_a_sampled_tree_round_commits_tokens_of_the_targets_filtered_distribution(lib):
+    """The committed tokens of one tree round anchored at many positions (one seed): the first follows the target's filtered
     distribution at the anchor, and the next one, given the first, its distribution after it (duplicates and
     side branches included)."""
     vocab = 8
@@ -456,27 +488,27 @@ def test_a_sampled_tree_round_commits_tokens_of_the_targets_filtered_distributio
 
     # depth 1: 0, 1, 2 and a duplicate of 0; depth 2: 0-0, 0-1, 0-3, 1-4, and 0-1 under the duplicate too;
     # depth 3: 0-0-1, 0-1-2.
-    tree = handmade_tree(
+    tree = lib.handmade_tree(
         [0, 0, 0, 0, 1, 1, 1, 2, 4, 5, 6],
         [0, 1, 2, 0, 0, 1, 3, 4, 1, 1, 2],
         [1, 1, 1, 2, 1, 3, 1, 1, 2, 1, 1],
     )
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     paths = [()] + [prefix_of(tokens, parents, i) for i in range(1, tree.size + 1)]
-    logits = mx.array(np.stack([logits_after(p) for p in paths]))
+    logits = lib.floats(np.stack([logits_after(p) for p in paths]))
     params = SamplingParams(temperature=0.9, top_k=6)
 
     def filtered(prefix):
         return np.array(probabilities(mx.array(logits_after(prefix)), params), dtype=np.float64)
 
     rounds = 4000
-    verdicts = [mlx_tree.verdict(tree, logits, params, k) for k in mx.random.split(mx.random.key(11), rounds)]
+    verdicts = [lib.trees.verdict(tree, logits, params, Noise(11, start)) for start in range(rounds)]
     committed = []
     for start in range(0, rounds, 500):
         chunk = verdicts[start : start + 500]
-        mx.eval(chunk)
+        lib.eval(chunk)
         for values in chunk:
-            path = mlx_tree.read_path(values.tolist(), tree.size)
+            path = read_path(values.tolist(), tree.size)
             committed.append([tokens[i - 1] for i in path.positions[1:]] + [path.next_token])
     first = [c[0] for c in committed]
     assert chi_square_p(first, filtered(())) > 1e-3
@@ -685,10 +717,9 @@ def test_auto_verifies_the_lookups_continuation_alone_where_the_text_repeats(dem
     prompt = json.loads((BENCHMARKS / "prompts_copy_heavy.jsonl").read_text().splitlines()[6])["prompt"]
     ids = encode_prompt(demo_pair.tokenizer, prompt)
     reference = mlx_glimmer.generate(demo_pair, ids, max_tokens=48, speculative=False)
-    # Probing every other drafting round: the choice follows wall-clock round times, and a short run on a
-    # loaded machine must still try the lookup's chain.
-    policy = width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS)
-    policy = dataclasses.replace(policy, probe_interval=2)
+    # Every width costs the same (given, not timed): the lookup's chain, which needs no drafter call, pays
+    # wherever it keeps as much as the drafter's shapes.
+    policy = table_timed(width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS))
     lookup_rounds = []
     for _ in range(3):  # the policy learns what the lookup keeps, as it does over a conversation
         steps = list(generate_steps(demo_pair.target, ids, GenerationSettings(max_tokens=48),

@@ -3,35 +3,32 @@ node whose parent is not in the tree, and greedy decoding through such trees sta
 tie, and a device's sort need not keep ties in order: the tree module runs here with an argsort that puts
 tied entries in reverse order."""
 
-import types
-
-import mlx.core as mx
 import numpy as np
 import pytest
 from oracle_drafter import TreeOracle
+from tree_libraries import LIBRARIES
 
-from mlx_glimmer import tree as mlx_tree
 from mlx_glimmer.drafters.base import Marginals
 from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
-
-_argsort = mx.argsort
-
-
-def reversed_ties_argsort(a, axis=-1, **kwargs):
-    """`mx.argsort`, except that equal (or both NaN) entries of a vector come last index first."""
-    if a.ndim != 1:
-        return _argsort(a, axis=axis, **kwargs)
-    values = np.array(a.astype(mx.float32))
-    order = np.lexsort((-np.arange(values.size), values))  # NaN last, as mx.argsort puts it
-    return mx.array(order.astype(np.uint32))
+from mlx_glimmer.torch_backend import load_torch
 
 
-@pytest.fixture(autouse=True)
-def unstable_sort(monkeypatch):
-    fake = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
-    fake.argsort = reversed_ties_argsort
-    monkeypatch.setattr(mlx_tree, "mx", fake)
+def reversed_ties(lib):
+    """`lib`'s descending argsort, except that equal (or both NaN) entries come last index first."""
+
+    def argsort_descending(a):
+        values = np.array(a.tolist(), dtype=np.float32)
+        order = np.lexsort((-np.arange(values.size), -np.nan_to_num(values, nan=-np.inf)))
+        return lib.ints(order)
+
+    return argsort_descending
+
+
+@pytest.fixture(params=sorted(LIBRARIES))
+def lib(request):
+    base = LIBRARIES[request.param]
+    return base.with_ops(argsort_descending=reversed_ties(base), compile=lambda function: function)  # a host sort
 
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")
@@ -61,18 +58,18 @@ def spoiled(depth: int, vocab: int, bad: float, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("bad", [float("nan"), -float("inf")], ids=["nan", "-inf"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("depth, vocab, budget", [(4, 6, 12), (6, 3, 20), (3, 40, 31)])
-def test_best_first_trees_are_closed_under_parents_on_bad_scores(bad, seed, depth, vocab, budget):
-    log_probs = mx.array(spoiled(depth, vocab, bad, seed))
-    tokens, parents, depths = mlx_tree.best_first(log_probs, budget)
+def test_best_first_trees_are_closed_under_parents_on_bad_scores(lib, bad, seed, depth, vocab, budget):
+    log_probs = lib.floats(spoiled(depth, vocab, bad, seed))
+    tokens, parents, depths = lib.trees.best_first(log_probs, budget)
     check_closed(tokens.tolist(), parents.tolist(), depths.tolist())
-    tree = mlx_tree.model_tree(log_probs, budget)
+    tree = lib.trees.model_tree(log_probs, budget)
     check_closed(tree.tokens.tolist(), tree.parents.tolist(), tree.depths[1:].tolist())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -float("inf")], ids=["nan", "-inf"])
-def test_best_first_trees_are_closed_when_every_score_is_bad(bad):
-    log_probs = mx.full((5, 4), bad, mx.float32)
-    tokens, parents, depths = mlx_tree.best_first(log_probs, 15)
+def test_best_first_trees_are_closed_when_every_score_is_bad(lib, bad):
+    log_probs = lib.floats(np.full((5, 4), bad, np.float32))
+    tokens, parents, depths = lib.trees.best_first(log_probs, 15)
     check_closed(tokens.tolist(), parents.tolist(), depths.tolist())
 
 
@@ -80,9 +77,9 @@ class SpoiledOracle(TreeOracle):
     """A `TreeOracle` whose marginals read as a half-precision head's can: beyond its two choices every
     score is `bad`, and every third round a whole position is."""
 
-    def __init__(self, *args, bad: float):
+    def __init__(self, *args, bad: float, lib):
         super().__init__(*args)
-        self.bad, self.rounds = bad, 0
+        self.bad, self.rounds, self.lib = bad, 0, lib
 
     def marginals(self, anchor, count):
         logits = self.logits(count)
@@ -91,7 +88,23 @@ class SpoiledOracle(TreeOracle):
         self.rounds += 1
         if self.rounds % 3 == 0 and count > 1:
             log_probs[count // 2] = self.bad
-        return Marginals(mx.array(log_probs))
+        return Marginals(self.lib.floats(log_probs))
+
+
+class WithTrees:
+    """`target` judging and building its trees with `trees`."""
+
+    def __init__(self, target, trees):
+        self._target, self.trees = target, trees
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+@pytest.fixture(scope="module")
+def muse_targets(muse_pair, checkpoints):
+    torch_muse = load_torch(target=checkpoints["muse"], device="cpu").target
+    return {"mlx": muse_pair.target, "torch": torch_muse}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +115,11 @@ def plain(muse_pair):
 
 @pytest.mark.parametrize("bad", [float("nan"), -float("inf")], ids=["nan", "-inf"])
 @pytest.mark.parametrize("nodes", [7, 31])
-def test_greedy_trees_on_bad_scores_equal_plain_greedy(muse_pair, plain, bad, nodes):
-    target = muse_pair.target
+def test_greedy_trees_on_bad_scores_equal_plain_greedy(lib, muse_targets, bad, nodes):
+    target = muse_targets[lib.name]
+    plain = [t for s in generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS)) for t in s.tokens]
     wrong = {i for i in range(N_TOKENS) if i % 5 == 2}
-    oracle = SpoiledOracle(len(PROMPT), plain, wrong, target.vocab_size, bad=bad)
-    steps = list(generate_steps(target, PROMPT, GenerationSettings(max_tokens=N_TOKENS, tree=nodes), drafter=oracle))
+    oracle = SpoiledOracle(len(PROMPT), plain, wrong, target.vocab_size, bad=bad, lib=lib)
+    settings = GenerationSettings(max_tokens=N_TOKENS, tree=nodes)
+    steps = list(generate_steps(WithTrees(target, lib.trees), PROMPT, settings, drafter=oracle))
     assert [t for s in steps for t in s.tokens] == plain

@@ -1,19 +1,19 @@
-"""Draft trees on torch: the same trees, masks and verdicts as MLX; a tree verify is the chains it holds."""
+"""Draft trees on torch targets: a tree verify is the chains it holds; generating through trees is plain
+greedy's output, and a seed repeats. (The tree module's own cases run on torch too: test_tree.py.)"""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from oracle_drafter import TreeOracle
-from scipy.stats import chisquare
+from tree_libraries import LIBRARIES
 
-from mlx_glimmer import tree as mlx_tree
 from mlx_glimmer.drafters.base import Marginals
-from mlx_glimmer.settings import GenerationSettings, SamplingParams
+from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 from mlx_glimmer.torch_backend import load_torch
-from mlx_glimmer.torch_backend import tree as torch_tree
+from mlx_glimmer.tree import MODEL, DraftTree
 
+TORCH = LIBRARIES["torch"]
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several Muse windows of 8
 
 
@@ -34,7 +34,7 @@ def tokens_of(steps):
     return [t for s in steps for t in s.tokens]
 
 
-def random_tree(seed: int, max_depth: int, vocab: int = 272) -> torch_tree.DraftTree:
+def random_tree(seed: int, max_depth: int, vocab: int = 272) -> DraftTree:
     """A bushy tree, parents first, depth never decreasing along the index: 1 to 3 nodes a depth."""
     rng = np.random.default_rng(seed)
     parents, depths, previous = [], [], [0]
@@ -46,12 +46,12 @@ def random_tree(seed: int, max_depth: int, vocab: int = 272) -> torch_tree.Draft
             level.append(len(parents))
         previous = level
     parents_t = torch.tensor(parents)
-    return torch_tree.DraftTree(
+    return DraftTree(
         torch.tensor(rng.integers(0, vocab, len(parents))),
         parents_t,
         torch.tensor([0] + depths),
-        torch.full((len(parents),), torch_tree.MODEL),
-        torch_tree.ancestor_matrix(parents_t, max_depth),
+        torch.full((len(parents),), MODEL),
+        TORCH.trees.ancestor_matrix(parents_t, max_depth),
         max_depth,
     )
 
@@ -62,66 +62,6 @@ def path_to(tree, node: int) -> list[int]:
     while path[-1]:
         path.append(int(tree.parents[path[-1] - 1]))
     return path[::-1]
-
-
-def as_mlx(tree: torch_tree.DraftTree) -> mlx_tree.DraftTree:
-    return mlx_tree.DraftTree(
-        *(mx.array(getattr(tree, f).numpy()) for f in ("tokens", "parents", "depths", "sources", "ancestors")),
-        tree.max_depth,
-        tree.chain,
-    )
-
-
-def test_trees_masks_and_verdicts_equal_mlx():
-    rng = np.random.default_rng(0)
-    log_probs = rng.standard_normal((6, 40)).astype(np.float32) * 3
-    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
-    vocab = np.arange(100, 140, dtype=np.int32)
-    for budget, lookup, vocab_map in ((9, [], None), (12, [7, 3, 9], None), (63, [1, 2], vocab), (4, [5] * 6, None)):
-        lookup = [int(vocab[t]) if vocab_map is not None else t for t in lookup]
-        ours = torch_tree.merged_tree(
-            torch.from_numpy(log_probs), budget, lookup, None if vocab_map is None else torch.from_numpy(vocab_map)
-        )
-        theirs = mlx_tree.merged_tree(
-            mx.array(log_probs), budget, lookup, None if vocab_map is None else mx.array(vocab_map)
-        )
-        for field in ("tokens", "parents", "depths", "sources", "ancestors"):
-            assert getattr(ours, field).tolist() == np.array(getattr(theirs, field)).tolist(), (budget, field)
-        assert (ours.max_depth, ours.chain) == (theirs.max_depth, theirs.chain)
-        for before, window in ((0, None), (5, None), (3, 4), (20, 8)):
-            mask = torch_tree.attention_mask(ours, before, window)
-            assert mask.tolist() == np.array(mlx_tree.attention_mask(theirs, before, window)).tolist()
-        logits = rng.standard_normal((ours.size + 1, 300)).astype(np.float32)
-        logits[1:, ours.tokens.numpy()] += 5.0  # some nodes agree with their parent's choice
-        greedy = SamplingParams(0.0)
-        ours_verdict = torch_tree.verdict(ours, torch.from_numpy(logits), greedy, None)
-        assert ours_verdict.tolist() == np.array(mlx_tree.verdict(theirs, mx.array(logits), greedy, None)).tolist()
-        path = torch_tree.read_path(ours_verdict.tolist(), ours.size)
-        assert path.positions == path_to(ours, path.positions[-1])
-    chain = torch_tree.chain(torch.tensor([4, 5, 6]))
-    judged = torch.tensor([2, 9])
-    assert torch_tree.chain_verdict(chain, judged).tolist() == [2, 9, 1, 1, 1, 0, 1, 1, 1]
-
-
-def test_sampled_choices_share_noise_by_depth_and_follow_the_filtered_distribution():
-    tree = random_tree(3, 4, vocab=32)
-    rng = np.random.default_rng(1)
-    row = torch.from_numpy(rng.standard_normal(32).astype(np.float32) * 2)
-    logits = row.expand(tree.size + 1, 32).clone()
-    params = SamplingParams(0.8, top_k=20)
-    gen = torch.Generator().manual_seed(0)
-    draws = []
-    for _ in range(2000):
-        chosen = torch_tree.choices(logits, tree, params, gen)
-        for d in range(tree.max_depth + 1):  # one noise row per depth: equal logits, equal choices
-            assert len(set(chosen[tree.depths == d].tolist())) == 1
-        draws.append(int(chosen[0]))
-    probs = torch_tree.sampling.probabilities(row[None], params)[0].double().numpy()
-    observed = np.bincount(draws, minlength=32)
-    assert observed[probs == 0].sum() == 0
-    keep = probs * len(draws) >= 5
-    obs, exp = observed[keep], probs[keep] * len(draws)
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
 def test_a_tree_verify_gives_every_node_the_logits_of_its_path_as_a_chain_far_past_the_window(muse):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import tiny_checkpoints as tc
+from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer import GenerationChunk, GenerationStats, GlimmerError
@@ -149,7 +150,7 @@ def run_scenario(app: ChatApp, scenario) -> View:
     return view[0]
 
 
-async def idle(app, pilot, timeout=60.0):
+async def idle(app, pilot, timeout=slow_machine_timeout(64)):  # an answer of the tiny pair
     deadline = time.monotonic() + timeout
     while app.busy:
         assert time.monotonic() < deadline, "the app stayed busy"
@@ -233,7 +234,7 @@ def test_cancel_keeps_the_partial_answer_and_the_next_turn_is_exact(pair, monkey
 
     async def scenario(app, pilot):
         await say(app, pilot, "Hello", wait=False)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + slow_machine_timeout(3)
         while not (reached.is_set() and app.query(AssistantMessage).last().streamed):
             assert time.monotonic() < deadline, "no text streamed in"
             await pilot.pause(0.02)

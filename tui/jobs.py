@@ -15,7 +15,8 @@ from textual.message import Message
 
 from mlx_glimmer.decode_state import DecodeState
 from mlx_glimmer.errors import GlimmerError
-from mlx_glimmer.generate import GenerationStats, calibrate
+from mlx_glimmer.generate import GenerationStats
+from mlx_glimmer.lockstep import calibrate
 from mlx_glimmer.settings import GenerationSettings
 
 from .pacing import Pacer

@@ -16,7 +16,8 @@ from typing import Callable
 from mlx_glimmer.channels import split_channels
 from mlx_glimmer.chat_template import REASONING_VARIABLE
 from mlx_glimmer.decode_state import DecodeState
-from mlx_glimmer.generate import GenerationChunk, GenerationStats, collect, stream_generate
+from mlx_glimmer.generate import GenerationChunk, GenerationStats, collect
+from mlx_glimmer.lockstep import stream_generate
 
 from .chat_settings import DEFAULT_CHAT, Settings  # noqa: F401  (re-exported: the chat's settings live apart from MLX)
 

@@ -46,7 +46,9 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Any, Any]:
         """At most `count` draft tokens after `anchor`, and the distributions [n, V] they were drawn from
-        (None: chosen deterministically)."""
+        (None: chosen deterministically). Sampled, `key` is the first draft token's noise (`noise.Noise`): a
+        draft sampled with it (`sampling.sample`, row i with `key.at(i)`) is kept wherever it equals the
+        target's own sample."""
 
     def marginals(self, anchor: int, count: int) -> Marginals | None:
         """Per-position distributions of up to `count` draft positions after `anchor` from one forward (the

@@ -36,7 +36,9 @@ from typing import Any, Callable, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..array_ops import MLX_OPS
 from ..errors import GlimmerError
+from ..noise import Noise, gumbel_of_tokens
 from ..sampling import probabilities
 from ..target import output_projection
 from .block import BlockDrafter
@@ -177,12 +179,14 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab, cfg.selector_rank)
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
-    def select(self, hidden: mx.array, logits: mx.array, anchor: int, params=None, key=None):
+    def select(self, hidden: mx.array, logits: mx.array, anchor: int, params=None, noise: Noise | None = None):
         """Choose one token per block position, left to right.
 
         `hidden` [n, H] and `logits` [n, V] of the draft positions. Returns
         (tokens [n], candidates [n, k], scores [n, k], probs over candidates [n, k] or None).
-        Greedy when `params` is None or greedy; nothing is evaluated here.
+        Greedy when `params` is None or greedy; sampled, position i draws with `noise.at(i)` the noise the
+        target draws at that position for the candidates' token ids (`noise.gumbel_of_tokens`), so a draft
+        is the target's own sample wherever their distributions agree. Nothing is evaluated here.
         """
         n = logits.shape[0]
         k = min(self.top_k, logits.shape[-1])
@@ -191,7 +195,9 @@ class CandidateSelector(nn.Module):
         projected = self.hidden_projection(hidden)  # [n, r]
         successors = self.successor_codebook(candidates)  # [n, k, r]
         greedy = params is None or params.greedy
-        keys = mx.random.split(key, n) if not greedy else None
+        if not greedy:
+            positions = mx.arange(noise.start, noise.start + n, dtype=mx.int64)
+            g = gumbel_of_tokens(MLX_OPS, noise.seed, positions, candidates)  # [n, k]
         previous = mx.array([anchor])
         tokens, scores, q_rows = [], [], []
         for i in range(n):
@@ -202,7 +208,7 @@ class CandidateSelector(nn.Module):
             else:
                 q = probabilities(s, params)
                 q_rows.append(q)
-                pick = mx.random.categorical(mx.log(q), key=keys[i])
+                pick = mx.argmax(mx.log(q) + g[i])
             previous = candidates[i, pick].reshape(1)
             tokens.append(previous)
             scores.append(s)

@@ -98,7 +98,7 @@ class DraftModelDrafter(Drafter):
         count = min(count, self.k) if self.adaptive else min(count, self.draft_k)
         logits = self._catch_up(self.history + [anchor])
         tokens, rows = [], []
-        keys = None if params.greedy else mx.random.split(key, max(count, 1))
+        keys = None if params.greedy else key.rows(max(count, 1))
         for i in range(count):
             if params.greedy:
                 t = mx.argmax(logits)

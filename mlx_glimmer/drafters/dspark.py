@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import GlimmerError
-from ..sampling import probabilities
+from ..sampling import probabilities, sample
 from .base import Marginals
 from .block import BlockDrafter
 from .config import SourceConfig
@@ -159,7 +159,7 @@ class DSparkDrafter(BlockDrafter):
         base = self.base_logits(hidden).astype(mx.float32)
         head, conf = self.model.markov_head, self.model.confidence_head
         greedy = params is None or params.greedy
-        keys = None if greedy else mx.random.split(key, n)
+        keys = None if greedy else key.rows(n)
         previous = mx.array([anchor])
         tokens, biased, embeds, q_rows = [], [], [], []
         for i in range(n):
@@ -170,7 +170,7 @@ class DSparkDrafter(BlockDrafter):
             else:
                 q = probabilities(logits, params)
                 q_rows.append(q)
-                previous = mx.random.categorical(mx.log(q), key=keys[i]).reshape(1)
+                previous = sample(q, keys[i]).reshape(1)
             tokens.append(previous)
             biased.append(logits)
             embeds.append(embed[0])

@@ -41,6 +41,7 @@ import mlx.core as mx
 from ..decode_state import DecodeState
 from ..divergence import explain_first_divergence, next_token_logits, to_numpy
 from ..logprobs import TokenLogprob, read_table
+from ..noise import Noise
 from ..settings import SamplingParams
 from ..target import Target
 from .batch_cache import BatchedCache, merge_rows, unbatched_kinds
@@ -138,7 +139,7 @@ class Row:
     state: DecodeState
     anchor: int
     params: SamplingParams
-    key: Any = None  # sampling key (None when greedy)
+    seed: int = 0  # its sampling seed: the token at index p of its sequence draws `noise.Noise(seed, p)`
     owner: Any = None  # what the caller knows this request by
     logprobs: int | None = None  # alternatives of each token's log-probability (None: none computed)
 
@@ -182,9 +183,10 @@ def row_logprobs(target: Target, logits: mx.array, tokens: mx.array, rows: list[
     ]
 
 
-def pick_rows(target: Target, logits: mx.array, rows: list[Row]) -> mx.array:
-    """The next token of each row, by its own sampling settings: argmax, or a draw from the filtered
-    distribution with the row's own key."""
+def pick_rows(target: Target, logits: mx.array, rows: list[Row], positions: list[int]) -> mx.array:
+    """The next token of each row, by its own sampling settings: argmax, or the sample of its filtered
+    distribution with the row's own seed at `positions[i]`, the index of that token in the row's sequence: the
+    token it would draw there decoding alone (`speculative.generate_steps`)."""
     ops = target.sampling
     if all(r.params.greedy for r in rows):
         return ops.argmax(logits).astype(mx.uint32)
@@ -193,8 +195,8 @@ def pick_rows(target: Target, logits: mx.array, rows: list[Row]) -> mx.array:
         if r.params.greedy:
             out.append(ops.argmax(logits[i : i + 1]).astype(mx.uint32))
         else:
-            r.key, sub = mx.random.split(r.key)
-            out.append(ops.sample(ops.probabilities(logits[i : i + 1], r.params), sub).astype(mx.uint32))
+            probs = ops.probabilities(logits[i : i + 1], r.params)
+            out.append(ops.sample(probs, Noise(r.seed, positions[i])).astype(mx.uint32))
     return mx.concatenate(out)
 
 
@@ -274,9 +276,9 @@ class DecodeBatch:
         the interval is not one step's). The next step is queued before the read, and the read is one: the
         tokens and the log-probability tables together."""
         if self.queued is None:
-            self.queued = self._launch(self._inputs(None))
+            self.queued = self._launch(self._inputs(None), ahead=0)
         current = self.queued
-        self.queued = self._launch(self._inputs(current))
+        self.queued = self._launch(self._inputs(current), ahead=len(current.rows))
         values = self.target.read(current.tokens, *current.tables)
         now = time.perf_counter()
         seconds = None if self._last_read is None else now - self._last_read
@@ -309,14 +311,18 @@ class DecodeBatch:
         fresh = mx.array([r.anchor for r in self.rows[len(ran) :]], dtype=mx.uint32)
         return mx.concatenate([current.tokens, fresh]) if ran else fresh
 
-    def _launch(self, inputs: mx.array) -> _Step:
+    def _launch(self, inputs: mx.array, ahead: int) -> _Step:
+        """Queue a step on `inputs`; the first `ahead` rows' inputs are the unread tokens of the step before."""
         rows = list(self.rows)
+        # A row's input sits at index len(processed) of its sequence, or one further when it is the unread
+        # token of the step before (whose own input is not in `processed` yet); the step picks the next one.
+        positions = [len(r.state.processed) + 1 + (i < ahead) for i, r in enumerate(rows)]
         ids = _layer_ids(rows)
         if ids and tuple(self.target.recorder.layer_ids) != ids:
             self.target.capture(ids)
         hidden, feats = forward_rows(self.target, inputs, self.cache, bool(ids))
         logits = self.target.head(hidden)
-        tokens = pick_rows(self.target, logits, rows)
+        tokens = pick_rows(self.target, logits, rows, positions)
         tables = row_logprobs(self.target, logits, tokens, rows)
         mx.async_eval(tokens, *([feats] if feats is not None else []), *[t for t in tables if t is not None])
         return _Step(rows, tokens, feats, tables)

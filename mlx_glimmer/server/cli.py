@@ -44,7 +44,8 @@ def add_serve_parser(sub) -> None:
             "Serve the pair over an OpenAI-compatible HTTP API: POST /v1/chat/completions and /v1/completions "
             "(JSON or SSE streaming), GET /v1/models, /health and /metrics. Speculative by default; requests may "
             "set 'speculative', 'block_size' and 'tree'. Conversations are kept in a prefix cache, so a follow-up turn "
-            "prefills only what it adds."
+            "prefills only what it adds. Under mlx.launch the target is split across the processes: rank 0 serves, "
+            "one request at a time, and the others follow it."
         ),
     )
     s.add_argument("bundle", nargs="?", help="bundle or model directory (default: the embedded demo pair)")
@@ -68,7 +69,7 @@ def add_serve_parser(sub) -> None:
         help=(
             "most concurrent requests decoded together, one target forward per step for all of them, when measured "
             f"throughput says it pays (a lone request stays speculative; 1: one at a time; default "
-            f"{BatchSettings().max_batch})"
+            f"{BatchSettings().max_batch}; a target split under mlx.launch serves one at a time)"
         ),
     )
     s.add_argument(
@@ -95,25 +96,56 @@ def cmd_serve(args, open_pair) -> int:
     defaults = settings_from_args(args, "serve")
     if not 0 <= args.port < 65536:
         raise GlimmerError(f"serve: --port must be in [0, 65535], got {args.port}")
+    from .. import lockstep
+    from ..ranks import split_group
+
+    def open_serving_pair():
+        return open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
+
+    group = split_group()
+    if group is not None and group.rank() > 0:  # the target is split: this process follows rank 0's calls
+        from ..follower import follow
+
+        return follow(open_serving_pair)
     from .app import serve
 
-    def load_pair():
-        from ..generate import calibrate
+    def say(line: str) -> None:
+        print(f"mlx-glimmer serve: {line}", file=sys.stderr, flush=True)
 
-        pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
-        calibrate(pair, defaults, lambda line: print(f"mlx-glimmer serve: {line}", file=sys.stderr, flush=True))
+    def load_pair():
+        pair = lockstep.load(open_serving_pair)
+        lockstep.calibrate(pair, defaults, say)
         return pair
 
-    serve(
-        load_pair,
-        host=args.host,
-        port=args.port,
-        model_name=args.model_name,
-        defaults=defaults,
-        max_queue=args.max_queue,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        max_context=args.max_context,
-        log_level=args.log_level,
-        batch=BatchSettings(max_batch=args.max_batch),
-    )
+    batch = BatchSettings(max_batch=args.max_batch)
+    if group is not None:
+        batch = BatchSettings(max_batch=1)
+        print(
+            f"mlx-glimmer serve: the target is split over {group.size()} processes: requests are served one at a "
+            "time (--max-batch does not apply)",
+            file=sys.stderr,
+        )
+    try:
+        serve(
+            load_pair,
+            host=args.host,
+            port=args.port,
+            model_name=args.model_name,
+            defaults=defaults,
+            max_queue=args.max_queue,
+            prompt_cache_bytes=args.prompt_cache_bytes,
+            max_context=args.max_context,
+            log_level=args.log_level,
+            batch=batch,
+        )
+    except KeyboardInterrupt:  # Ctrl-C, re-raised once the server has shut down
+        if group is None:
+            raise
+        # The followers stop too, and rank 0 exits cleanly: the launcher ends every process as soon as one
+        # exits non-zero, which would cut theirs short.
+        lockstep.stop()
+        print("mlx-glimmer serve: interrupted; every process stopped", file=sys.stderr)
+        return 0
+    # On a failure rank 0 exits non-zero instead, and the launcher ends the others wherever they wait.
+    lockstep.stop()
     return 0

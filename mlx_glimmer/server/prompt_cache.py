@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..decode_state import DecodeState, common_prefix
+from ..lockstep import copied
 
 _ids = count()
 
@@ -126,6 +127,7 @@ class PromptCache:
         memo.update({id(v): v for k, v in vars(conv.state).items() if k not in ("cache", "processed", "drafter")})
         twin = copy.deepcopy(conv, memo)
         twin.key = next(_ids)
+        copied(conv.state, twin.state)
         return twin
 
     def take(self, prompt: Sequence[int]) -> Conversation:

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from ..decode_state import common_prefix
-from ..generate import GenerationStats, prepare_request, stream_generate
-from ..logprobs import TokenLogprob, prompt_logprobs
-from ..settings import SEED_LIMIT, GenerationSettings
+from ..generate import GenerationStats, prepare_request
+from ..lockstep import prompt_logprobs, stream_generate
+from ..logprobs import TokenLogprob
+from ..settings import GenerationSettings
 from ..speculative import prefill
 from .batch import Row
 from .continuation import Continuation
@@ -100,12 +101,6 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-def resume_seed(seed: int, generated: int) -> int:
-    """The seed of a request's sampling after `generated` tokens: a request that goes back to speculative
-    decoding must not replay the random numbers its first tokens used."""
-    return (seed + generated * 0x9E3779B97F4A7C15) % SEED_LIMIT if generated else seed
 
 
 @dataclass
@@ -207,11 +202,9 @@ class Run:
             tokens = self.job.request.prompt_tokens
             self.job.emit(PromptLogprobs(prompt_logprobs(pair.target, tokens, settings.logprobs)))
         if resumed:
-            settings = replace(
-                settings,
-                max_tokens=settings.max_tokens - len(self.generated),
-                seed=resume_seed(settings.seed, len(self.generated)),
-            )
+            # The same seed: sampling noise is keyed by the token's index in the sequence, so the tokens still
+            # to come draw what they would have drawn had the request never paused.
+            settings = replace(settings, max_tokens=settings.max_tokens - len(self.generated))
         prompt = self.job.request.prompt_tokens + self.generated
         began = time.perf_counter()
         chunks = stream_generate(replace(pair, drafter=self.conv.drafter), prompt, settings, state=self.conv.state)

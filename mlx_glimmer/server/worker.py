@@ -36,13 +36,14 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from ..generate import GenerationPair, stream_generate
+from ..generate import GenerationPair
+from ..lockstep import stream_generate
 from ..logprobs import logprob_top
 from ..settings import BatchSettings
 from .batch import BatchPolicy, DecodeBatch, Row, batch_support
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
-from .run import Failed, Job, Run, always, resume_seed
+from .run import Failed, Job, Run, always
 
 
 class QueueFull(Exception):
@@ -232,10 +233,8 @@ class GenerationWorker:
 
     def _join(self, batch: DecodeBatch, run: Run) -> None:
         state = run.conv.state
-        params = run.settings.sampling
-        key = None if params.greedy else mx.random.key(resume_seed(run.settings.seed, len(run.generated)))
         top = logprob_top(self.pair.target, run.settings)
-        run.row = Row(state, run.generated[-1], params, key, run, top)
+        run.row = Row(state, run.generated[-1], run.settings.sampling, run.settings.seed, run, top)
         batch.join(run.row)
 
     def _admit(self, batch: DecodeBatch, joining: list[Run], count: int) -> None:

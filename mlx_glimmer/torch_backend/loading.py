@@ -31,6 +31,7 @@ from ..drafters.registry import DRAFT_MODEL, FAMILIES, drafter_kind
 from ..errors import GlimmerError
 from ..files import check_model_dir, pair_paths, read_config_json
 from ..loading import open_tokenizer, read_target_config
+from ..tree_check import guard_trees
 from . import weights as W
 from .device import pick_device, pick_dtype
 from .drafter import TorchDFlashDrafter
@@ -179,7 +180,8 @@ def load_torch(
     """`mlx_glimmer.load` on torch: `load_torch(BUNDLE)` or `load_torch(target=DIR, drafter=DIR)`.
 
     `dtype="auto"`: what MLX computes the target in (the bundle's dtype; float32
-    for a float32 bundle), or the checkpoint's dtype for a transformers directory.
+    for a float32 bundle), or the checkpoint's dtype for a transformers directory. A drafter that can seed
+    draft trees has them checked first, as `mlx_glimmer.load` does (`tree_check.guard_trees`).
     """
     paths = pair_paths(path, target, drafter, use_drafter)
     config = read_target_config(paths.target)
@@ -195,6 +197,7 @@ def load_torch(
     load = load_target_from_mlx if mlx_layout else load_target_from_transformers
     tgt = load(paths.target, config, dt, dev)
     d = load_torch_drafter(paths.drafter, tgt, dt) if paths.drafter is not None else None
+    guard_trees(tgt, d)
     return TorchPair(
         tgt,
         d,

@@ -1,14 +1,14 @@
-"""`mlx_glimmer.sampling` in torch: the same filters in the same order, the same acceptance rules.
-
-Randomness comes from a `torch.Generator`, so a seed gives a different sample
-stream than on MLX; the distributions are the same.
+"""`mlx_glimmer.sampling` in torch: the same filters in the same order, the same acceptance rule, and the
+same positional noise (`noise.py`): a seed samples the same tokens from the same distributions as on MLX.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import noise
 from ..settings import SamplingParams
+from .array_ops import torch_ops
 
 __all__ = [
     "SamplingParams",
@@ -16,9 +16,8 @@ __all__ = [
     "argmax",
     "sample",
     "greedy_verdict",
-    "sampled_verdict",
+    "gumbel_scores",
     "accept_greedy",
-    "accept_sampled",
 ]
 
 
@@ -46,10 +45,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of `probs` ([..., V] -> [...])."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+def sample(probs: torch.Tensor, where: noise.Noise) -> torch.Tensor:
+    """One token id per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`."""
+    return noise.gumbel_max(torch_ops(probs.device), probs, where)
+
+
+def gumbel_scores(probs: torch.Tensor, where: noise.Noise) -> torch.Tensor:
+    """[n, V]: `noise.gumbel_scores`, whose row argmaxes are `sample`'s tokens."""
+    return noise.gumbel_scores(torch_ops(probs.device), probs, where)
 
 
 def spread(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -60,7 +63,8 @@ def spread(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Ten
 
 
 def greedy_verdict(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Exact-match acceptance on the device: [accepted drafts, the target's own next token after them]."""
+    """Exact-match acceptance on the device: [accepted drafts, the target's own next token after them] (on
+    logits, or on Gumbel scores: see `mlx_glimmer.sampling.greedy_verdict`)."""
     choice = torch.argmax(target_logits, dim=-1)
     n = draft.shape[0]
     if n == 0:
@@ -69,36 +73,7 @@ def greedy_verdict(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Te
     return torch.stack([accepted, choice[accepted]])
 
 
-def sampled_verdict(draft, draft_probs, target_probs, generator) -> torch.Tensor:
-    """Speculative rejection sampling with residual resampling on the device; see
-    `mlx_glimmer.sampling.sampled_verdict`. Returns [accepted drafts, next token]."""
-    n = draft.shape[0]
-    if n == 0:
-        token = sample(target_probs[0], generator)
-        return torch.stack([torch.zeros_like(token), token])
-    rows = torch.arange(n, device=draft.device)
-    p = target_probs[rows, draft]
-    if draft_probs is None:
-        q = torch.ones_like(p)
-        q_full = torch.zeros_like(target_probs[:n]).scatter(-1, draft[:, None], 1.0)
-    else:
-        q, q_full = draft_probs[rows, draft], draft_probs
-    u = torch.rand(n, generator=generator, device=p.device)
-    accepted = (u * q < p).long().cumprod(0).sum()
-    residual = torch.cat([torch.clamp(target_probs[:n] - q_full, min=0.0), target_probs[n:]])[accepted]
-    total = residual.sum()
-    residual = torch.where(total > 0, residual / torch.clamp(total, min=1e-30), target_probs[accepted])
-    token = sample(residual, generator)
-    return torch.stack([accepted, token])
-
-
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """`greedy_verdict`, read: (accepted drafts, the target's own next token after them)."""
     accepted, token = greedy_verdict(draft, target_logits).tolist()
-    return int(accepted), int(token)
-
-
-def accept_sampled(draft, draft_probs, target_probs, generator) -> tuple[int, int]:
-    """`sampled_verdict`, read: (accepted drafts, next token)."""
-    accepted, token = sampled_verdict(draft, draft_probs, target_probs, generator).tolist()
     return int(accepted), int(token)

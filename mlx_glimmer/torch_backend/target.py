@@ -13,7 +13,7 @@ back to `window - 1` entries, so it restores the window before rejected tokens
 at any length, past the window too. `forward` crops by 0 first (the shrink
 alone), so what one forward wrote stays undoable until the next one.
 
-Draft trees (`tree.py`, the torch `TreeOps`): `forward(..., tree=...)` passes
+Draft trees (`tree.Trees` on torch's `array_ops`): `forward(..., tree=...)` passes
 each token's position (cache length + depth) as `position_ids` and the tree's
 mask as a custom 4D additive mask, which transformers models take as their
 `attention_mask` as is; a model with sliding layers (Muse Glimmer, Gemma-style
@@ -32,8 +32,9 @@ import torch.nn.functional as F
 
 from ..memory import NO_MEMORY
 from ..target import output_head
+from ..tree import DraftTree, Trees
 from . import sampling as torch_sampling
-from . import tree as torch_tree
+from .array_ops import torch_ops
 from .device import peak_memory_gb, reset_peak_memory, synchronize
 
 
@@ -42,15 +43,30 @@ def cache_keyword(forward) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
+def tree_refusal(decoder) -> str | None:
+    """Why a tree verify cannot place and mask its tokens on this transformers decoder (None: it can): it
+    passes each token's position as `position_ids` and the tree as a custom mask, which eager and sdpa
+    attention take, one per kind of layer (full and sliding)."""
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        return f"{type(decoder).__name__} takes no position_ids, through which a tree verify places each token"
+    implementation = getattr(decoder.config, "_attn_implementation", None) or "eager"
+    if implementation not in ("eager", "sdpa"):
+        return f"draft trees need eager or sdpa attention on torch, not {implementation}"
+    kinds = set(getattr(decoder.config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return f"draft trees on torch support full and sliding attention layers, not {', '.join(sorted(kinds))}"
+    return None
+
+
 class TorchTarget:
     sampling = torch_sampling
-    trees = torch_tree
     memory = NO_MEMORY  # wired limits and clear_cache are MLX-on-Metal settings
     lazy = False  # every call computes at once (CUDA queues kernels by itself): drafts are proposed when needed
 
     def __init__(self, model, device: torch.device):
         self.model = model.eval().requires_grad_(False)
         self.device = device
+        self.trees = Trees(torch_ops(device), torch_sampling.probabilities)
         inner = model.model
         self.decoder = getattr(inner, "language_model", inner)
         self.config = self.decoder.config
@@ -60,6 +76,7 @@ class TorchTarget:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.head = output_head(self.lm_head, self.multiplier, self.softcap, torch.tanh)
         self.cache_kw = cache_keyword(self.decoder.forward)
+        self.tree_unsupported = tree_refusal(self.decoder)  # why it verifies chains only (`TargetModel`)
         self.layer_ids: tuple[int, ...] = ()
         self._hooks = []
         self._recording: dict[int, torch.Tensor] | None = None
@@ -129,17 +146,16 @@ class TorchTarget:
                 layer.values[..., base : base + kept, :] = layer.values[..., rows, :]
         self.trim(cache, width - kept)
 
-    def tree_mask(self, tree: torch_tree.DraftTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
+    def tree_mask(self, tree: DraftTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The tree verify's attention mask after `past` cached positions, as the decoder takes it: a 4D
         additive mask [1, 1, N + 1, keys], or, where some layers slide, one per layer type. A sliding layer's
         cache holds at most `window - 1` positions when a forward starts (`forward` crops by 0 first)."""
-        implementation = getattr(self.config, "_attn_implementation", None) or "eager"
-        if implementation not in ("eager", "sdpa"):
-            raise ValueError(f"draft trees need eager or sdpa attention on torch, not {implementation}")
+        if self.tree_unsupported is not None:
+            raise ValueError(self.tree_unsupported)
         dtype = self.activation_dtype
 
         def additive(before: int, window: int | None) -> torch.Tensor:
-            seen = torch_tree.attention_mask(tree, before, window).to(self.device)
+            seen = self.trees.attention_mask(tree, before, window)
             zero = torch.zeros((), dtype=dtype, device=self.device)
             return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
 
@@ -148,10 +164,8 @@ class TorchTarget:
             return additive(past, None)
         window = int(self.config.sliding_window)
         masks = {"sliding_attention": additive(min(past, window - 1), window)}
-        for kind in kinds - {"sliding_attention"}:
-            if kind != "full_attention":
-                raise ValueError(f"draft trees on torch support full and sliding attention layers, not {kind}")
-            masks[kind] = additive(past, None)
+        if "full_attention" in kinds:
+            masks["full_attention"] = additive(past, None)
         return masks
 
     def tokens(self, ids) -> torch.Tensor:
@@ -159,7 +173,7 @@ class TorchTarget:
 
     @torch.inference_mode()
     def forward(
-        self, tokens, cache, capture: bool, tree: torch_tree.DraftTree | None = None
+        self, tokens, cache, capture: bool, tree: DraftTree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`tokens` [L] -> final hidden states [L, H] and captured features [L, k*H] (or None). With `tree`,
         `tokens` are [anchor, nodes] and each attends to the cache and its ancestors only, at the anchor's
@@ -206,12 +220,6 @@ class TorchTarget:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw embedding rows (Muse's embedding RMS-norm is not applied: DFlash noise uses raw rows)."""
         return F.embedding(ids, self.embed_tokens.weight)
-
-    def new_key(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
-
-    def split(self, key: torch.Generator, n: int) -> tuple:
-        return (key,) * (n + 1)  # one generator, drawn from in turn
 
     def join(self, *ids) -> torch.Tensor:
         """Token tensors end to end, on the device ([anchor, drafts] for a verify)."""

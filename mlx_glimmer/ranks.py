@@ -1,0 +1,72 @@
+"""Which process this is under `mlx.launch`, and taking rank 0's values: what a split target's callers need.
+
+Kept apart from `distributed.py` (the split itself, which imports mlx-lm): the command line asks these
+questions before it imports anything heavy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+from .errors import GlimmerError
+
+# Where a process learns its rank from the launcher, before MLX is imported: `mlx.launch` (ring, JACCL) sets
+# MLX_RANK; mpirun sets the MPI ones.
+RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+SPLIT_COMMANDS = ("generate", "serve", "chat")  # what runs split across processes; every other command refuses
+
+
+def launch_rank() -> int | None:
+    """This process's rank as the launcher set it in the environment; None outside a launcher. Read without
+    starting MLX's distributed backend, which must not start before the command re-executes itself
+    (`blas.py`): the other processes would have connected to the process that is gone."""
+    for name in RANK_ENV:
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+@functools.cache
+def world() -> mx.distributed.Group:
+    """MLX's global group: every process `mlx.launch` started (a group of one without a launcher)."""
+    return mx.distributed.init()
+
+
+def split_group() -> mx.distributed.Group | None:
+    """The group the target splits over; None in a single process (also under a launcher of one)."""
+    if launch_rank() is None:
+        return None
+    group = world()
+    return group if group.size() > 1 else None
+
+
+def is_lead() -> bool:
+    """Whether this process prints: rank 0, or the only process."""
+    group = split_group()
+    return group is None or group.rank() == 0
+
+
+def check_split_command(command: str, extra: str | None = None) -> None:
+    """Refuse a command that cannot run split: rank 0 says so in one error, the others leave silently with
+    the same exit code. `extra` names a setting of a splittable command that cannot (a torch backend)."""
+    group = split_group()
+    if group is None or (command in SPLIT_COMMANDS and extra is None):
+        return
+    if group.rank() != 0:
+        raise SystemExit(2)
+    what = f"{command} {extra}" if extra else command
+    supported = ", ".join(f"`{c}`" for c in SPLIT_COMMANDS)
+    raise GlimmerError(
+        f"{what}: cannot run split across {group.size()} processes under mlx.launch; "
+        f"supported there: {supported} on the MLX backend (run {command} as one process)"
+    )
+
+
+def from_rank_zero(values: mx.array, group: mx.distributed.Group) -> mx.array:
+    """`values` as rank 0 holds them, on every process: one sum in which the others add zeros. Theirs are
+    `values * 0`, not fresh zeros, so their own graph still runs (its layers' sums are the others' too)."""
+    return mx.distributed.all_sum(values * int(group.rank() == 0), group=group)
