@@ -134,9 +134,9 @@ class RoundDrafter:
         self._note([marginals.log_probs, marginals.vocab], tic)
         return marginals
 
-    def propose(self, anchor: int, count: int, params, key):
+    def propose(self, anchor: int, count: int, params, noise):
         tic = time.perf_counter()
-        draft, probs = self._drafter.propose(anchor, count, params, key)
+        draft, probs = self._drafter.propose(anchor, count, params, noise)
         self._note([draft, probs], tic)
         return draft, probs
 

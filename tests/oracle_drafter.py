@@ -33,7 +33,7 @@ class OracleDrafter(Drafter):
     def observe(self, tokens, features):
         self.observed += len(tokens)
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         self.proposals += 1
         start = self.observed - self.prompt_len + 1  # generated index of the first draft token
         out = []
@@ -67,7 +67,7 @@ class TreeOracle(Drafter):
         self.observed -= n
         return True
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         start = self.observed - self.prompt_len + 1
         return mx.array([self.first(i) for i in range(start, start + count)], dtype=mx.uint32), None
 

@@ -42,9 +42,9 @@ class WorkingOracle(OracleDrafter):
     def settle(self):
         return self.real.settle()
 
-    def propose(self, anchor, count, params, key):
-        own, _ = super().propose(anchor, count, params, key)
-        real, _ = self.real.propose(anchor, count, params, key)
+    def propose(self, anchor, count, params, noise):
+        own, _ = super().propose(anchor, count, params, noise)
+        real, _ = self.real.propose(anchor, count, params, noise)
         return own + real.astype(mx.uint32) * 0, None
 
 

@@ -143,9 +143,9 @@ class NoisyTargetDrafter(Drafter):
     def observe(self, tokens, features):
         self.history.extend(tokens)
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         seq, tokens, rows = self.history + [anchor], [], []
-        for where in key.rows(count):
+        for where in noise.rows(count):
             q = self.q(seq, params)
             t = int(sample(q, where).item())
             seq.append(t)

@@ -82,8 +82,8 @@ def test_mlx_and_torch_decode_the_same_tokens_plain_and_speculative(name, muse_p
 
 
 class TorchOracle(OracleDrafter):
-    def propose(self, anchor, count, params, key):
-        draft, _ = super().propose(anchor, count, params, key)
+    def propose(self, anchor, count, params, noise):
+        draft, _ = super().propose(anchor, count, params, noise)
         return torch.tensor(np.array(draft), dtype=torch.long), None
 
 

@@ -652,7 +652,7 @@ class CloseMarginals(Drafter):
     def observe(self, tokens, features):
         self.history.extend(tokens)
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         raise AssertionError("tree rounds only")
 
     def marginals(self, anchor, count):

@@ -120,7 +120,7 @@ def test_a_tree_verify_on_llama_takes_one_mask(checkpoints):
 class TorchTreeOracle(TreeOracle):
     """`TreeOracle`'s marginals as torch tensors, for the torch target; it drafts trees only."""
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         raise AssertionError("tree rounds only")
 
     def marginals(self, anchor, count):

@@ -499,8 +499,8 @@ def speculative_acceptance(pair, answers: list[dict], max_tokens: int, block_siz
     recorded: list = []
     original = drafter.propose
 
-    def propose(anchor, count, params, key):
-        out = original(anchor, count, params, key)
+    def propose(anchor, count, params, noise):
+        out = original(anchor, count, params, noise)
         recorded.append(np.array(out[0]).astype(np.int64).tolist())
         return out
 

@@ -39,10 +39,10 @@ class DrafterNoise:
     def __getattr__(self, name):
         return getattr(self._drafter, name)
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         from mlx_glimmer.noise import Noise
 
-        own = key if key is None or params.greedy else Noise(key.seed ^ OWN_NOISE, key.start)
+        own = noise if noise is None or params.greedy else Noise(noise.seed ^ OWN_NOISE, noise.start)
         draft, self.last_probs = self._drafter.propose(anchor, count, params, own)
         return draft, self.last_probs
 

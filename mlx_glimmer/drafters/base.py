@@ -44,10 +44,10 @@ class Drafter(ABC):
         without `target_layer_ids`)."""
 
     @abstractmethod
-    def propose(self, anchor: int, count: int, params: SamplingParams, key: Any) -> tuple[Any, Any]:
+    def propose(self, anchor: int, count: int, params: SamplingParams, noise: Any) -> tuple[Any, Any]:
         """At most `count` draft tokens after `anchor`, and the distributions [n, V] they were drawn from
-        (None: chosen deterministically). Sampled, `key` is the first draft token's noise (`noise.Noise`): a
-        draft sampled with it (`sampling.sample`, row i with `key.at(i)`) is kept wherever it equals the
+        (None: chosen deterministically). Sampled, `noise` is the first draft token's noise (`noise.Noise`): a
+        draft sampled with it (`sampling.sample`, row i with `noise.at(i)`) is kept wherever it equals the
         target's own sample."""
 
     def marginals(self, anchor: int, count: int) -> Marginals | None:

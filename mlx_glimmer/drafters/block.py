@@ -133,8 +133,8 @@ class BlockDrafter(Drafter):
         logits = self.draft_logits(self.block_hidden(anchor, count)[1:]).astype(mx.float32)
         return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.draft_vocab)
 
-    def propose(self, anchor: int, count: int, params, key):
-        choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, key)
+    def propose(self, anchor: int, count: int, params, noise):
+        choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, noise)
         if self.draft_vocab is None:
             return choice, probs
         if probs is not None:

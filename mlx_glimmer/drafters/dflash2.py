@@ -270,10 +270,10 @@ class DFlash2Drafter(BlockDrafter):
     def draft_logits(self, hidden: mx.array) -> mx.array:
         return compute_logits(hidden, self._project, self.config)
 
-    def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
+    def propose(self, anchor: int, count: int, params, noise) -> tuple[mx.array, mx.array | None]:
         hidden = self.block_hidden(anchor, count)[1:]
         logits = self.draft_logits(hidden)
-        tokens, candidates, _, q = self.model.candidate_selector.select(hidden, logits, anchor, params, key)
+        tokens, candidates, _, q = self.model.candidate_selector.select(hidden, logits, anchor, params, noise)
         if q is None:
             return tokens, None
         full = mx.zeros((count, logits.shape[-1]), dtype=q.dtype)

@@ -94,11 +94,11 @@ class DraftModelDrafter(Drafter):
         self.cached.extend(todo)
         return logits
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         count = min(count, self.k) if self.adaptive else min(count, self.draft_k)
         logits = self._catch_up(self.history + [anchor])
         tokens, rows = [], []
-        keys = None if params.greedy else key.rows(max(count, 1))
+        keys = None if params.greedy else noise.rows(max(count, 1))
         for i in range(count):
             if params.greedy:
                 t = mx.argmax(logits)

@@ -153,13 +153,13 @@ class DSparkDrafter(BlockDrafter):
         ids = mx.array([anchor] + [self.mask_token_id] * (self.draft_len - 1))
         return self.model(self.embed(ids)[None], self.position, self.context)[0]
 
-    def draft_block(self, anchor: int, n: int, params=None, key=None):
+    def draft_block(self, anchor: int, n: int, params=None, noise=None):
         """Walk the block left to right: (tokens [n], biased logits [n, V], confidence logits [n], probs [n, V] | None)."""
         hidden = self.block_hidden(anchor)[:n]
         base = self.base_logits(hidden).astype(mx.float32)
         head, conf = self.model.markov_head, self.model.confidence_head
         greedy = params is None or params.greedy
-        keys = None if greedy else key.rows(n)
+        keys = None if greedy else noise.rows(n)
         previous = mx.array([anchor])
         tokens, biased, embeds, q_rows = [], [], [], []
         for i in range(n):
@@ -185,7 +185,7 @@ class DSparkDrafter(BlockDrafter):
         logits = self.base_logits(self.block_hidden(anchor)[: min(count, self.draft_len)]).astype(mx.float32)
         return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def propose(self, anchor: int, count: int, params, key) -> tuple[mx.array, mx.array | None]:
+    def propose(self, anchor: int, count: int, params, noise) -> tuple[mx.array, mx.array | None]:
         """The block's first `count` drafts (at most `draft_len`), all of them, on the device: nothing is read.
 
         dspark-mlx cuts the block before the first draft whose confidence is below `confidence_threshold`. That
@@ -200,7 +200,7 @@ class DSparkDrafter(BlockDrafter):
         n = min(count, self.draft_len)
         if n < 1:
             return mx.array([], dtype=mx.uint32), None
-        tokens, _, _, probs = self.draft_block(anchor, n, params, key)
+        tokens, _, _, probs = self.draft_block(anchor, n, params, noise)
         return tokens, probs
 
 

@@ -94,6 +94,6 @@ class PromptLookupDrafter(Drafter):
                 return Match(found, n)
         return Match([], 0)
 
-    def propose(self, anchor, count, params, key):
+    def propose(self, anchor, count, params, noise):
         found = self.indexed_lookup(int(anchor), min(count, self.draft_k))
         return mx.array(found, dtype=mx.uint32), None
