@@ -571,16 +571,23 @@ def demo(demo_bundle, demo_server, demo_pair):
     return demo_bundle, demo_server, demo_pair
 
 
+def shared_steps(metrics: dict[str, float]) -> float:
+    """Batched steps of two rows or more, over every batch size the server reports."""
+    prefix = 'glimmer_batched_steps_total{batch_size="'
+    return sum(v for k, v in metrics.items() if k.startswith(prefix) and int(k[len(prefix) : -2]) > 1)
+
+
 @pytest.mark.network
 def test_demo_four_concurrent_clients_are_batched_and_equal_solo_greedy(demo):
     bundle, server, pair = demo
-    key = 'glimmer_batched_steps_total{batch_size="4"}'
-    before = server.metrics().get(key, 0)
+    before = shared_steps(server.metrics())
     messages = [ask(f"Tell me something interesting about {t}.") for t in TOPICS]
     body = {"model": "demo", "max_tokens": 32, "temperature": 0}
     with ThreadPoolExecutor(len(messages)) as pool:
         replies = list(pool.map(lambda m: post(server, {**body, "messages": m}), messages))
-    assert server.metrics()[key] > before  # steps of all four together
+    # Steps that several of them shared (how many joined each step follows when each request arrived: a client
+    # thread that a busy machine starts late joins a batch already under way)
+    assert shared_steps(server.metrics()) > before
     for m, reply in zip(messages, replies):
         ref = mlx_glimmer.generate(pair, m, max_tokens=32, speculative=False)  # solo greedy: the target's, quicker
         stats = reply["glimmer"]
