@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -58,19 +57,6 @@ def worker(target: Path, tokens: int) -> None:
         print(json.dumps({"ranks": ranks, "token_ids": result.token_ids}), flush=True)
 
 
-def free_port() -> int:
-    """A free port on loopback whose successor is free too (one per rank)."""
-    for port in range(41000, 60000, 7):
-        try:
-            for p in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports")
-
-
 def run(command: list[str], env: dict) -> tuple[dict, float]:
     tic = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
@@ -97,6 +83,7 @@ def main() -> None:
     from mlx_glimmer.blas import reexec_env
     from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.paths import cache_dir
+    from mlx_glimmer.ranks import loopback_ports
 
     target = ensure_built(args.dir)
     env = reexec_env(cache_dir() / "blas") or dict(os.environ)
@@ -104,7 +91,7 @@ def main() -> None:
     launch = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring"]
     load_before = os.getloadavg()
     one, one_s = run(me, env)
-    split, split_s = run([*launch, "--starting-port", str(free_port()), "--", *me], env)
+    split, split_s = run([*launch, "--starting-port", str(loopback_ports(2)), "--", *me], env)
     load_after = os.getloadavg()
     whole = one["ranks"][0]
     result = {

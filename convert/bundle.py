@@ -6,15 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_glimmer._version import __version__
 from mlx_glimmer.errors import GlimmerError
-from mlx_glimmer.files import BUNDLE_FORMAT, publish_directory
+from mlx_glimmer.files import BUNDLE_FORMAT, staged_directory
 
 from .drafter_plan import plan_drafter
 from .formats import BITS, DEFAULT_MAX_SHARD
@@ -167,15 +165,12 @@ def convert(
     _check_out(out, [p.source for p in plans])
 
     progress = progress or Progress()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    except OSError as e:
-        raise GlimmerError(f"{out.parent}: cannot create the bundle there ({e.strerror or e})") from None
-    try:
-        progress.start(sum(p.source_bytes for p in plans), sum(len(p.items) for p in plans))
-        reports = [_report(p, _write_model(p, staging / p.name, max_shard_bytes, progress)) for p in plans]
-        progress.close()
+    with staged_directory(out, "bundle") as staging:
+        try:
+            progress.start(sum(p.source_bytes for p in plans), sum(len(p.items) for p in plans))
+            reports = [_report(p, _write_model(p, staging / p.name, max_shard_bytes, progress)) for p in plans]
+        finally:
+            progress.close()
         files = {f.relative_to(staging).as_posix(): sha256(f) for f in sorted(staging.rglob("*")) if f.is_file()}
         manifest = {
             "format": BUNDLE_FORMAT,
@@ -192,9 +187,4 @@ def convert(
             "files": files,
         }
         (staging / "glimmer.json").write_text(json.dumps(manifest, indent=2))
-        publish_directory(staging, out)
-    except BaseException:
-        progress.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return ConvertReport(out, reports, time.perf_counter() - started, dtype)

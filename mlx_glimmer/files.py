@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -187,6 +188,23 @@ def check_pair_dirs(path, drafter=None, use_drafter: bool = True) -> PairPaths:
     if paths.drafter is not None:
         check_model_dir(paths.drafter, "drafter")
     return paths
+
+
+@contextmanager
+def staged_directory(out: Path, what: str) -> Iterator[Path]:
+    """A private directory beside `out` to write `what` into: put at `out` (`publish_directory`) when the block
+    ends, removed when it raises, so `out` is never half written."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise GlimmerError(f"{out.parent}: cannot create the {what} there ({e.strerror or e})") from None
+    try:
+        yield staging
+        publish_directory(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def publish_directory(staging: Path, out: Path) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import random
+import socket
 
 import mlx.core as mx
 
@@ -70,3 +72,19 @@ def from_rank_zero(values: mx.array, group: mx.distributed.Group) -> mx.array:
     """`values` as rank 0 holds them, on every process: one sum in which the others add zeros. Theirs are
     `values * 0`, not fresh zeros, so their own graph still runs (its layers' sums are the others' too)."""
     return mx.distributed.all_sum(values * int(group.rank() == 0), group=group)
+
+
+def loopback_ports(count: int) -> int:
+    """The first of `count` consecutive free ports on loopback: `mlx.launch --backend ring --starting-port` for
+    `count` ranks on one machine (each rank listens on its own port). Tried at random, so runs started side by
+    side rarely pick the same ones."""
+    for _ in range(100):
+        port = random.randrange(20000, 60000 - count)
+        try:
+            for p in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise GlimmerError(f"no {count} consecutive free ports on loopback")

@@ -6,9 +6,7 @@ split refused in one error line."""
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +24,7 @@ from mlx_glimmer.distributed import check_divisible
 from mlx_glimmer.divergence import explain_first_divergence, next_token_logits
 from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.generate import encode_prompt
+from mlx_glimmer.ranks import loopback_ports
 
 TOKENS = 32  # after a 17-token prompt: six times the tiny targets' sliding window of 8
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -33,26 +32,22 @@ COMMAND = Path(sys.executable).parent / "mlx-glimmer"
 TESTS = Path(__file__).parent
 
 
-def free_ports() -> int:
-    """The first of two consecutive free ports on loopback (the ring backend listens on one per rank)."""
-    for _ in range(100):
-        port = random.randrange(20000, 60000)
-        try:
-            for p in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports on loopback")
-
-
 def launch(command: list, generations: int) -> subprocess.CompletedProcess:
     """`command` on two ranks under `mlx.launch --backend ring`. Every generation's forwards wait on both
     processes, so the time allowed grows with the work (`generations` of TOKENS tokens) and stays generous for
     a busy machine; on a timeout the whole process group goes."""
     timeout = 240 + 4 * TOKENS * generations
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--", *map(str, command)]
+    cmd = [
+        str(LAUNCH),
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(loopback_ports(2)),
+        "--",
+        *map(str, command),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -151,7 +146,7 @@ class SplitServer:
     """`serve` on two ranks under `mlx.launch`: its stderr kept in `log`, its URL once rank 0 prints it."""
 
     def __init__(self, command: list, timeout: float):
-        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports()), "--"]
+        cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(loopback_ports(2)), "--"]
         self.proc = subprocess.Popen(
             [*cmd, *map(str, command)], stderr=subprocess.PIPE, text=True, start_new_session=True
         )

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -373,24 +371,15 @@ def write_directory(out: Path, tensors: dict, config: dict, force: bool) -> None
     """model.safetensors and config.json, written beside `out` and renamed into place."""
     import mlx.core as mx
 
-    from ..files import publish_directory
+    from ..files import staged_directory
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        with staged_directory(out, "drafter directory") as staging:
+            mx.save_safetensors(
+                str(staging / "model.safetensors"), dict(sorted(tensors.items())), metadata={"format": "pt"}
+            )
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if (out.exists() or out.is_symlink()) and not force:
+                raise GlimmerError(f"{out}: already exists (pass --force to replace it)")
     except OSError as e:
-        raise GlimmerError(f"{out.parent}: cannot write there ({e.strerror or e})") from None
-    try:
-        mx.save_safetensors(
-            str(staging / "model.safetensors"), dict(sorted(tensors.items())), metadata={"format": "pt"}
-        )
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if (out.exists() or out.is_symlink()) and not force:
-            raise GlimmerError(f"{out}: already exists (pass --force to replace it)")
-        publish_directory(staging, out)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
         raise GlimmerError(f"{e.filename or out}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
