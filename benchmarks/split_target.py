@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=HERE.parent / ".cache" / "tiny-muse-512")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--json-out", type=Path, default=HERE / "results" / "split_target.json")
+    ap.add_argument("--note", default="", help="what else ran on the machine while it measured (kept in the results)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -102,8 +103,7 @@ def main() -> None:
         "load_average_before": load_before,
         "load_average_after": load_after,
         "blas_threads": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
-        "speeds_indicative": True,
-        "note": "the machine ran other jobs: speeds are indicative only; memory figures are not affected",
+        "note": args.note,
         "tokens": args.tokens,
         "same_tokens": one["token_ids"] == split["token_ids"],
         "one_process": {**whole, "wall_s": round(one_s, 1)},

@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .blas import blas_name
-from .block_policy import describe
 from .cpu import chip_name
 from .errors import GlimmerError
 from .flags import add_drafter_flags, nonnegative_int, positive_int, tree_arg
 from .paths import DATA_DIR
 from .settings import AUTO, OFF, GenerationSettings
+from .verify_cost import describe
 
 
 @dataclass

@@ -1,40 +1,33 @@
 """`--block-size auto`: each round verifies the shape expected to commit the most tokens per second.
 
-One model weighs every shape a round may verify, a plain step (width 1), the drafter's chain of any width, a
-draft tree of each budget, the n-gram lookup's continuation alone: rate = E / (verify(width) + draft(proposer)).
-E = 1 + sum_j prod_{i<=j} a_i over the per-depth continuation rates of the shape's proposer (`DepthAcceptance`,
-one estimator for chains, each tree budget and the lookup after each n-gram length); verify from
-`verify_cost.VerifyCost`, draft the rest of a round's time per proposer and context band, both refined by
-every round. Exploration is one rule, an upper confidence bound: a shape ranks by its rate times
-1 + EXPLORATION * sqrt(ln t / (n + PRIOR_WEIGHT)), t the rounds so far and n those its proposer ran, so a
-proposer that keeps losing is tried about ln t times. docs/design.md ("Block size: auto") explains the model.
-Every choice depends only on past rounds: greedy output equals plain decoding and sampling stays exact.
+Every shape a round may verify (a plain step, the drafter's chain of any width, a draft tree of each budget, the
+n-gram lookup's continuation alone) is weighed by one model: rate = E / (verify(width) + draft(proposer)), E =
+1 + sum_j prod_{i<=j} a_i over per-depth continuation rates (`DepthAcceptance`: the chain, the lookup after each
+n-gram length); a tree's E is the chain's times the gain its rounds measured over the chain inside it
+(`TreeGain`); verify and draft from `verify_cost.RoundTimes`, refined by every round. Exploration is one rule,
+an upper confidence bound (`WidthPolicy.index`). docs/design.md ("Block size: auto") explains it. Choices depend
+only on past rounds: greedy output equals plain decoding and sampling stays exact.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any
 
-from .verify_cost import VerifyCost, average, band_of
+from .verify_cost import RoundTimes, VerifyCost
 
 TREE_WIDTHS = (4, 8, 16, 32)  # tree budgets (tokens verified) `auto` weighs against the chains
 LOOKUP_NGRAMS = (1, 2, 3, 4)  # n-gram lengths the lookup's acceptance is learnt apart for (0: all pooled)
 
-# Evidence kept from one round to the next of a proposer: about 1 / (1 - DECAY) = 20 recent rounds weigh, so an
-# estimate follows the text as it changes and one odd round moves it by a twentieth.
+# Evidence a proposer's round keeps from the last: about 20 recent rounds weigh, so estimates follow the text.
 DECAY = 0.95
-# Rounds' worth of prior behind every rate, and behind the exploration count: two rounds of a proposer's own
-# weigh as much as what it was expected to do.
+# Rounds' worth of prior behind every rate and the exploration count: two own rounds outweigh what was expected.
 PRIOR_WEIGHT = 2.0
 # A depth nothing is known of (a new proposer's first): kept as often as not.
 PRIOR_RATE = 0.5
-# Rounds of evidence one generation hands the next, at most: a new prompt is new text, so what the last one kept
-# is a start that the new text's first few rounds outweigh.
+# Rounds of evidence a generation hands the next, at most: a new prompt's first few rounds outweigh them.
 CARRIED_ROUNDS = 4.0
 # The exploration constant: with no evidence, a shape is tried while within about a third of the best rate, and
 # after n rounds of its proposer while within EXPLORATION * sqrt(ln t / n) of it.
@@ -80,13 +73,9 @@ class DepthAcceptance:
             out.append(last)
         return out
 
-    def survival(self, prior: list[float] | None = None) -> list[float]:
-        """P(depths 0..j all kept), for each j: E's summands."""
-        return list(accumulate(self.rates(prior), operator.mul))
-
     def expected(self, prior: list[float] | None = None) -> list[float]:
         """Expected committed tokens E(w) = 1 + sum_{j < w - 1} P(depths 0..j kept), for w = 1..size + 1."""
-        return list(accumulate(self.survival(prior), initial=1.0))
+        return list(accumulate(accumulate(self.rates(prior), operator.mul), initial=1.0))
 
     def carried(self) -> "DepthAcceptance":
         """As the next generation starts from it: the same rates, from at most `CARRIED_ROUNDS` rounds."""
@@ -96,18 +85,49 @@ class DepthAcceptance:
 
 
 @dataclass
+class TreeGain:
+    """A tree of `size` nodes against the drafter's chain inside it (its first node at each depth), on the same
+    rounds: E is the chain's current E at the chain's depth in these trees times the ratio of what they committed
+    to what that chain would have, shrunk toward E(chain as wide) / that. Trees run where chains did badly, on
+    harder text: the ratio carries, and the estimate follows the chain's (tree rounds update it too)."""
+
+    size: int  # nodes under the anchor (the budget less one)
+    # Over its rounds, decayed: tokens committed, tokens the chain inside would have, its depth, the rounds.
+    sums: list[float] = field(default_factory=lambda: [0.0] * 4)
+    rounds: float = 0.0  # not forgotten: exploration's count
+
+    def observe(self, accepted: int, chain_depth: int, chain_kept: int) -> None:
+        new = (accepted + 1, chain_kept + 1, chain_depth, 1)
+        self.sums, self.rounds = [DECAY * s + x for s, x in zip(self.sums, new)], self.rounds + 1
+
+    def expected(self, chain: list[float]) -> float:
+        """E of the tree, from the chain's E(w) for w = 1..len(chain)."""
+        committed, kept, depth, weight = self.sums
+        full = chain[min(self.size, len(chain) - 1)]
+        if not weight:
+            return full
+        inside = chain[min(round(depth / weight), len(chain) - 1)]
+        return inside * (weight * committed / kept + PRIOR_WEIGHT * full / inside) / (weight + PRIOR_WEIGHT)
+
+    def carried(self) -> "TreeGain":
+        scale = min(1.0, CARRIED_ROUNDS / self.sums[3]) if self.sums[3] else 1.0
+        return TreeGain(self.size, [s * scale for s in self.sums], min(self.rounds, CARRIED_ROUNDS))
+
+
+@dataclass
 class WidthPolicy:
     """The shapes' acceptance (`chain`, `trees` per budget, `lookup` per n-gram length with 0 pooled), their
     verify cost (`cost`) and drafting seconds (`draft`, per proposer and band), and the choice they make."""
 
-    cost: VerifyCost
+    times: RoundTimes
     chain: DepthAcceptance
-    trees: dict[int, DepthAcceptance] = field(default_factory=dict)  # none: chains only
+    trees: dict[int, TreeGain] = field(default_factory=dict)  # none: chains only
     lookup: dict[int, DepthAcceptance] = field(default_factory=dict)  # none: the lookup's chains are not weighed
-    draft: dict[tuple, float] = field(default_factory=dict)  # (proposer, band) -> seconds
-    samples: dict[tuple, int] = field(default_factory=dict)  # timings behind each `draft` entry
-    warm: set = field(default_factory=set)  # (shape, band) pairs whose first round (building kernels) has run
     rounds: int = 0  # rounds observed in this generation
+
+    @property
+    def cost(self) -> VerifyCost:
+        return self.times.cost
 
     @property
     def max_width(self) -> int:  # the widest chain
@@ -123,43 +143,32 @@ class WidthPolicy:
         trees = [Shape(b, tree=True) for b in self.trees if b <= self.cost.max_width]
         return [Shape(w) for w in chains] + trees + [Shape(w, lookup=True) for w in range(2, widest + 1)]
 
-    def _model(self, shape: Shape, ngram: int) -> DepthAcceptance | None:  # None: a plain step
+    def _model(self, shape: Shape, ngram: int) -> DepthAcceptance | TreeGain | None:  # None: a plain step
         if shape.tree:
             return self.trees[shape.width]
         if shape.lookup:
             return self.lookup[min(max(ngram, LOOKUP_NGRAMS[0]), LOOKUP_NGRAMS[-1])]
         return self.chain if shape.width > 1 else None
 
-    def _prior(self, shape: Shape) -> list[float] | None:
-        """A tree budget starts from the next smaller budget's rates, the smallest from the chains' (best-first
-        trees nest: a larger one holds every path of a smaller one); an n-gram length from all lengths pooled."""
-        smaller = max((b for b in self.trees if b < shape.width), default=None) if shape.tree else None
-        if shape.tree:
-            return (
-                self.chain.rates() if smaller is None else self.trees[smaller].rates(self._prior(Shape(smaller, True)))
-            )
-        return self.lookup[0].rates() if shape.lookup else None
-
     @staticmethod
-    def _proposer(shape: Shape) -> tuple[str, int]:
-        """Whose drafting a round's time holds beyond its verify: a tree's grows with its budget."""
+    def _proposer(shape: Shape) -> tuple[str, int] | None:
+        """Whose drafting a round's time holds beyond its verify (a tree's grows with its budget); None: a plain step."""
+        if shape.width == 1:
+            return None
         return ("tree", shape.width) if shape.tree else ("lookup", 0) if shape.lookup else ("chain", 0)
-
-    def _drafting(self, proposer: tuple[str, int], band: int) -> float:
-        """Its drafting seconds in this band, else the nearest band's; none before any (a first try is optimistic)."""
-        timed = sorted((abs(b - band), s) for (p, b), s in self.draft.items() if p == proposer)
-        return timed[0][1] if timed else 0.0
 
     def rates(self, context: int, found: int = 0, ngram: int = 0, shapes: list[Shape] | None = None) -> dict:
         """Expected committed tokens per second of each shape weighed (or of `shapes`)."""
-        costs, band, models, out = self.cost.estimates(context), band_of(context), {}, {}
+        costs, chain, out = self.cost.estimates(context), self.chain.expected(), {}
+        lookup = self._model(Shape(2, lookup=True), ngram).expected(self.lookup[0].rates()) if self.lookup else []
         for shape in shapes or self.shapes(found):
-            model = self._model(shape, ngram)
-            if id(model) not in models:
-                drafting = self._drafting(self._proposer(shape), band) if model is not None else 0.0
-                models[id(model)] = (model.expected(self._prior(shape)) if model else [1.0], drafting)
-            expected, drafting = models[id(model)]
-            out[shape] = expected[min(shape.width, len(expected)) - 1] / max(costs[shape.width - 1] + drafting, 1e-9)
+            if shape.tree:
+                expected = self.trees[shape.width].expected(chain)
+            else:
+                along = lookup if shape.lookup else chain
+                expected = along[min(shape.width, len(along)) - 1]
+            drafting = self.times.drafting(self._proposer(shape), context)
+            out[shape] = expected / max(costs[shape.width - 1] + drafting, 1e-9)
         return out
 
     def index(self, shape: Shape, rate: float, ngram: int = 0) -> float:
@@ -186,41 +195,35 @@ class WidthPolicy:
 
     def branch_length(self, ngram: int, found: int, nodes: int) -> int:
         """How many of `found` lookup tokens a tree of `nodes` nodes takes as its lookup branch, leaving the
-        drafter a node: the length that most raises E, each lookup node at depth j adding its chance of being
-        kept, P(lookup depths 0..j kept), in place of the drafter's node there, P(chain depths 0..j kept)."""
-        lookup = self._model(Shape(2, lookup=True), ngram).survival(self.lookup[0].rates())
-        chain = self.chain.survival() + [0.0] * len(lookup)
-        gains = list(accumulate((lookup[j] - chain[j] for j in range(min(found, nodes - 1))), initial=0.0))
+        drafter a node: the length L that most raises E, each lookup node at depth j replacing the drafter's there,
+        so by E_lookup(L + 1) - E_chain(L + 1) (the sums of each one's P(depths 0..j kept) for j < L)."""
+        lookup, chain = (
+            self._model(Shape(2, lookup=True), ngram).expected(self.lookup[0].rates()),
+            self.chain.expected(),
+        )
+        gains = [lookup[j] - chain[min(j, len(chain) - 1)] for j in range(min(found, nodes - 1) + 1)]
         return gains.index(max(gains))
 
     def observe_round(self, shape: Shape, accepted: int, context: int, seconds: float, timed: bool = True,
-                      lookup_offered: int = 0, lookup_kept: int = 0, lookup_ngram: int = 0) -> None:  # fmt: skip
+                      lookup_offered: int = 0, lookup_kept: int = 0, lookup_ngram: int = 0,
+                      chain_depth: int = 0, chain_kept: int = 0) -> None:  # fmt: skip
         """A round of `shape` kept `accepted` drafts in `seconds`, from the host read before it to its own (`timed`
         False: the draft projected a long backlog, so only acceptance counts). A tree's lookup branch of
-        `lookup_offered` nodes, `lookup_kept` on its path, counts for the lookup after `lookup_ngram` tokens."""
+        `lookup_offered` nodes, `lookup_kept` on its path, counts for the lookup after `lookup_ngram` tokens; the
+        drafter's chain inside it, `chain_depth` deep, would have had `chain_kept` kept: that counts for the chain."""
         self.rounds += 1
-        if (model := self._model(shape, lookup_ngram)) is not None:
+        if shape.tree:
+            self.trees[shape.width].observe(accepted, chain_depth, chain_kept)
+        elif (model := self._model(shape, lookup_ngram)) is not None:
             model.observe(shape.width - 1, accepted)
+        if chain_depth:
+            self.chain.observe(chain_depth, chain_kept)
         if shape.lookup:
             self.lookup[0].observe(shape.width - 1, accepted)
         elif shape.tree and lookup_offered and self.lookup:
             for m in (self._model(Shape(2, lookup=True), lookup_ngram), self.lookup[0]):
                 m.observe(lookup_offered, lookup_kept)
-        band = band_of(context)
-        if not timed or (shape, band) not in self.warm:  # a shape's first round in a band builds its kernels
-            self.warm.add((shape, band))
-            return
-        if shape.width == 1:
-            return self.cost.observe(1, context, seconds)
-        # The round's time beyond the estimate is split between its verify and its drafting, the one with less
-        # evidence taking more: a width never run gets it where the proposer's drafting is known, and the other way
-        key = (self._proposer(shape), band)
-        drafted, measured = self.samples.get(key, 0), self.cost.evidence(shape.width, context)
-        verify, drafting = self.cost.estimate(shape.width, context), self.draft.get(key, 0.0)
-        error, share = seconds - verify - drafting, drafted / (drafted + measured) if drafted else 0.0
-        self.cost.observe(shape.width, context, max(verify + share * error, 0.0))
-        self.samples[key] = drafted + 1
-        self.draft[key] = average(self.draft.get(key), max(drafting + (1 - share) * error, 0.0), drafted + 1)
+        self.times.observe(shape, self._proposer(shape), shape.width, context, seconds if timed else None)
 
 
 def width_policy(
@@ -229,22 +232,15 @@ def width_policy(
     """A policy for one generation over chains up to `max_width`, trees of `tree_widths` and with trees the lookup's
     chains; from the pair's `previous`, timings carry over as they were and acceptance as a start."""
     chain = DepthAcceptance(max_width - 1)
-    trees = {b: DepthAcceptance(b - 1) for b in tree_widths}
+    trees = {b: TreeGain(b - 1) for b in tree_widths}
     lookup = {n: DepthAcceptance(max(tree_widths) - 1) for n in (0, *LOOKUP_NGRAMS)} if tree_widths else {}
     if previous is None or previous.max_width != max_width:
-        return WidthPolicy(cost, chain, trees, lookup)
+        return WidthPolicy(RoundTimes(cost), chain, trees, lookup)
 
     def carried(new: dict, old: dict) -> dict:
         return {k: old[k].carried() if k in old and old[k].size == m.size else m for k, m in new.items()}
 
     return replace(
-        previous, cost=cost, chain=previous.chain.carried(), trees=carried(trees, previous.trees),
-        lookup=carried(lookup, previous.lookup), draft=dict(previous.draft), samples=dict(previous.samples),
-        warm=set(previous.warm), rounds=0,
+        previous, times=previous.times.carried(cost), chain=previous.chain.carried(),
+        trees=carried(trees, previous.trees), lookup=carried(lookup, previous.lookup), rounds=0,
     )  # fmt: skip
-
-
-def describe(widths: list[int]) -> dict[str, Any]:
-    """Histogram of verify widths, as `--json` and `bench` print it."""
-    hist = Counter(widths)
-    return {str(w): hist[w] for w in sorted(hist)}

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
-from .block_policy import TREE_WIDTHS, WidthPolicy, describe, width_policy
+from .block_policy import TREE_WIDTHS, WidthPolicy, width_policy
 from .chat_template import has_chat_template
 from .decode_state import DecodeState
 from .distributed import in_lockstep
@@ -46,7 +46,7 @@ from .ranks import split_group
 from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, OFF, GenerationSettings, SamplingError
 from .speculative import generate_steps, tree_setting
 from .target_model import TargetModel
-from .verify_cost import VerifyCost, cached_verify_cost, calibration_key
+from .verify_cost import VerifyCost, cached_verify_cost, calibration_key, describe
 
 Prompt = str | Sequence[int] | Sequence[dict]
 

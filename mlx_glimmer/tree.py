@@ -36,7 +36,10 @@ from .array_ops import MLX_OPS, Array, ArrayOps
 from .noise import Noise, gumbel
 from .settings import SamplingParams
 
-MODEL, LOOKUP = 1, 2  # node sources, as bits: a node both proposed is MODEL | LOOKUP
+# Node sources, as bits: a node both proposed is MODEL | LOOKUP. CHAIN marks the model's first node at each depth,
+# the best prefix there: the drafter's greedy chain (its positions' argmaxes), so a tree round also says how far
+# that chain alone would have been kept.
+MODEL, LOOKUP, CHAIN = 1, 2, 4
 SOURCE_NAMES = {MODEL: "model", LOOKUP: "lookup", MODEL | LOOKUP: "both"}
 _TOP = -1e-3  # log-probabilities are capped here, so a child scores strictly below its parent
 _INF = float("inf")
@@ -167,8 +170,14 @@ class Trees:
     def model_tree(self, log_probs: Array, budget: int, vocab: Array | None = None) -> DraftTree:
         """A best-first tree of `budget` nodes from one drafter forward's log-probabilities [D, V]."""
         tokens, parents, depths = self.best_first(log_probs, budget, vocab)
-        sources = self.ops.full(tuple(tokens.shape), MODEL, self.ops.index)
-        return self._finish(tokens, parents, depths, sources, log_probs.shape[0])
+        return self._finish(tokens, parents, depths, self._model_sources(depths), log_probs.shape[0])
+
+    def _model_sources(self, depths: Array) -> Array:
+        """MODEL for every node of a best-first tree, with CHAIN on the first at each depth (nodes come by depth,
+        then score: the first is the best prefix of its depth, the drafter's greedy chain)."""
+        ops = self.ops
+        first = ops.concatenate([ops.full((1,), True, ops.bool_), depths[1:] != depths[:-1]], 0)
+        return ops.astype(ops.where(first, MODEL | CHAIN, MODEL), ops.index)
 
     def merged_tree(self, log_probs: Array | None, budget: int, lookup: list[int], vocab: Array | None = None):
         """A tree of `budget` nodes: the model's best `budget - len(lookup)` prefixes and the n-gram continuation
@@ -181,7 +190,7 @@ class Trees:
         if log_probs is None or budget - n_lookup < 1:
             return self.chain(ops.array(lookup[:budget], ops.token), LOOKUP)
         tokens, parents, depths = self.best_first(log_probs, budget - n_lookup, vocab)
-        sources = ops.full(tuple(tokens.shape), MODEL, ops.index)
+        sources = self._model_sources(depths)
         if not n_lookup:
             return self._finish(tokens, parents, depths, sources, log_probs.shape[0])
         # The model nodes the branch runs through: each carries the lookup's token at its depth, and so does
@@ -295,10 +304,17 @@ class Path:
     positions: list[int]
     next_token: int
     sources: list[int]
+    chain_depth: int = 0  # how deep the drafter's greedy chain runs in the tree (CHAIN nodes; 0 in a chain draft)
 
     @property
     def depth(self) -> int:
         return len(self.positions) - 1
+
+    @property
+    def chain_kept(self) -> int:
+        """How many drafts the drafter's greedy chain would have had kept: the path's leading CHAIN nodes (the
+        target's choices along them are the same whatever else the tree holds)."""
+        return next((i for i, source in enumerate(self.sources) if not source & CHAIN), len(self.sources))
 
     @property
     def lookup_kept(self) -> int:
@@ -311,7 +327,8 @@ def read_path(values: list[int], size: int) -> Path:
     """The `Path` in a read `verdict` (of a tree of `size` nodes)."""
     positions = [i for i, mark in enumerate(values[2 : 3 + size]) if mark]
     sources = values[3 + size : 3 + 2 * size]
-    return Path(positions, values[1], [sources[i - 1] for i in positions[1:]])
+    chain_depth = sum(1 for source in sources if source & CHAIN)
+    return Path(positions, values[1], [sources[i - 1] for i in positions[1:]], chain_depth)
 
 
 @functools.lru_cache(maxsize=None)

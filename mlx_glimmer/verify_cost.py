@@ -13,9 +13,11 @@ import hashlib
 import json
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Hashable
 
 from .cpu import chip_name
 
@@ -200,3 +202,50 @@ def cached_verify_cost(
         except OSError:
             pass  # a read-only cache only costs a re-measurement next time
     return cost
+
+
+@dataclass
+class RoundTimes:
+    """A round's seconds, from one host read to the next, split into its verify (`cost`, by width) and its
+    proposer's drafting (`draft`, per proposer and context band: the rest), both learnt from the rounds."""
+
+    cost: VerifyCost
+    draft: dict[tuple, float] = field(default_factory=dict)  # (proposer, band) -> seconds
+    samples: dict[tuple, int] = field(default_factory=dict)  # timings behind each `draft` entry
+    warm: set = field(default_factory=set)  # (shape, band) pairs whose first round (building kernels) has run
+
+    def drafting(self, proposer: Hashable, context: int) -> float:
+        """Its drafting seconds in the context's band, else the nearest band's; none before any (a first try is
+        optimistic)."""
+        band = band_of(context)
+        timed = sorted((abs(b - band), s) for (p, b), s in self.draft.items() if p == proposer)
+        return timed[0][1] if timed else 0.0
+
+    def observe(self, shape: Hashable, proposer: Hashable | None, width: int, context: int, seconds: float | None):
+        """A round of `shape`, `width` tokens drafted by `proposer` (None: a plain step), took `seconds` (None:
+        not representative, as after a long drafting backlog; it still counts as the shape's first)."""
+        band = band_of(context)
+        if seconds is None or (shape, band) not in self.warm:  # a shape's first round in a band builds its kernels
+            self.warm.add((shape, band))
+            return
+        if proposer is None:
+            return self.cost.observe(width, context, seconds)
+        # The time beyond the estimate is split between the verify and the drafting, the one with less evidence
+        # taking more: a width never run gets it where the proposer's drafting is known, and the other way round.
+        key = (proposer, band)
+        drafted, measured = self.samples.get(key, 0), self.cost.evidence(width, context)
+        verify, drafting = self.cost.estimate(width, context), self.draft.get(key, 0.0)
+        error, share = seconds - verify - drafting, drafted / (drafted + measured) if drafted else 0.0
+        self.cost.observe(width, context, max(verify + share * error, 0.0))
+        self.samples[key] = drafted + 1
+        self.draft[key] = average(self.draft.get(key), max(drafting + (1 - share) * error, 0.0), drafted + 1)
+
+    def carried(self, cost: "VerifyCost") -> "RoundTimes":
+        """For the next generation, on `cost`: the same drafting seconds and warm shapes."""
+        return RoundTimes(cost, dict(self.draft), dict(self.samples), set(self.warm))
+
+
+def describe(widths: list[int]) -> dict[str, int]:
+    """Histogram of verify widths, as `--json` and `bench` print it."""
+    hist = Counter(widths)
+    return {str(w): hist[w] for w in sorted(hist)}

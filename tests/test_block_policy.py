@@ -29,18 +29,33 @@ def table(per_token: float = 0.06, width: int = 32, seconds=None) -> VerifyCost:
     return cost
 
 
+def kept_by(rng, odds: float, most: int) -> int:
+    """Drafts kept while a coin with `odds` says so, at most `most`."""
+    kept = 0
+    while kept < most and rng.random() < odds:
+        kept += 1
+    return kept
+
+
 def rounds(policy, n, keep, draft=0.2, found=0, ngram=4, context=100, seed=0, truth=None) -> list[Shape]:
     """`n` rounds: each keeps drafts while a coin with `keep(shape)`'s odds says so and takes what `truth` (the
-    table as first given) says its width costs, plus `draft` seconds when the drafter drafted (1.5x for a tree)."""
+    table as first given) says its width costs, plus `draft` seconds when the drafter drafted (1.5x for a tree).
+    A tree holds the drafter's chain a quarter of its budget deep, judged with the chain's odds: the tree keeps at
+    least what that chain keeps."""
     rng, truth, shapes = np.random.default_rng(seed), truth or copy.deepcopy(policy.cost), []
     for _ in range(n):
         shape = policy.choose(context, found, ngram)
-        kept = 0
-        while shape.width > 1 and kept < shape.width - 1 and rng.random() < keep(shape):
-            kept += 1
+        kept, chain_depth, chain_kept = kept_by(rng, keep(shape), shape.width - 1), 0, 0
+        if shape.tree:
+            chain_depth = shape.width // 4
+            chain_kept = kept_by(rng, keep(Shape(2)), chain_depth)
+            kept = max(kept, chain_kept)
         drafting = 0.0 if shape.width == 1 or shape.lookup else draft * (1.5 if shape.tree else 1.0)
         seconds = truth.measured(shape.width, band_of(context)) + drafting
-        policy.observe_round(shape, kept, context, seconds, lookup_ngram=ngram if shape.lookup else 0)
+        policy.observe_round(
+            shape, kept, context, seconds, lookup_ngram=ngram if shape.lookup else 0,
+            chain_depth=chain_depth, chain_kept=chain_kept,
+        )  # fmt: skip
         shapes.append(shape)
     return shapes
 
@@ -127,13 +142,34 @@ def test_trees_win_where_tree_rounds_commit_more_per_second():
     assert sum(not s.tree and s.width > 1 for s in late) >= 90, late
 
 
-def test_every_shape_kind_is_explored_and_one_that_keeps_losing_less_and_less():
+def test_a_trees_estimate_is_the_chains_times_the_gain_measured_on_the_same_rounds():
+    """Tree rounds on hard text commit twice what the chain inside them would have: as the text turns easy and
+    the chain's own rounds keep more, the tree's estimate rises with the chain's by that gain, not from its own
+    stale rounds."""
+    policy = width_policy(16, table(), tree_widths=TREE_WIDTHS)
+    for _ in range(40):  # hard text: the chain inside an 8-node tree, 4 deep, keeps nothing; the tree keeps 1
+        policy.observe_round(Shape(8, tree=True), 1, 100, 1.5, chain_depth=4, chain_kept=0)
+    tree = policy.trees[8]
+    assert policy.chain.rates()[0] < 0.1, "tree rounds teach the chain too"
+    hard = tree.expected(policy.chain.expected())
+    assert hard == pytest.approx(2.0, abs=0.1)
+    for _ in range(40):  # easy text, chains only: 3 of 7 kept each round
+        policy.observe_round(Shape(8), 3, 100, 1.5)
+    chain = policy.chain.expected()
+    # E of the chain 4 deep, times the gain 2 (shrunk a little toward E(chain of 8) / E(chain 4 deep))
+    assert tree.expected(chain) == pytest.approx(2.0 * chain[4], rel=0.1) and tree.expected(chain) > 1.8 * hard
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_shape_kind_is_explored_and_one_that_keeps_losing_rarely(seed):
+    """The lookup keeps 40% where the chain keeps 70%: it is tried, and then in about ln t of 2,000 rounds (its
+    tries come in short runs, where its first luck raises it above the best for a few rounds)."""
     policy = width_policy(16, table(per_token=0.02), tree_widths=TREE_WIDTHS)
-    shapes = rounds(policy, 2000, odds(chain=0.7, tree=0.6, lookup=0.4), found=12)
+    shapes = rounds(policy, 2000, odds(chain=0.7, tree=0.6, lookup=0.4), found=12, seed=seed)
     kinds = {("tree", s.width) if s.tree else "lookup" if s.lookup else "chain" for s in shapes}
     assert kinds >= {"chain", "lookup", *(("tree", b) for b in TREE_WIDTHS)}
     losers = [i for i, s in enumerate(shapes) if s.lookup]
-    assert len([i for i in losers if i >= 1000]) < len([i for i in losers if i < 1000]) / 2, losers
+    assert len(losers) <= 0.02 * len(shapes), losers
 
 
 def test_drafting_comes_back_when_it_pays_again():
@@ -146,12 +182,12 @@ def test_drafting_comes_back_when_it_pays_again():
 def test_draft_seconds_are_what_a_round_takes_beyond_its_verify():
     policy = width_policy(4, table(width=4))
     policy.observe_round(Shape(4), 3, 100, seconds=1.18 + 20.0)  # the first round builds its kernels: not timed
-    assert policy.draft == {}
+    assert policy.times.draft == {}
     for _ in range(20):
         policy.observe_round(Shape(4), 3, 100, seconds=1.18 + 0.3)
-    assert policy.draft[(("chain", 0), 0)] == pytest.approx(0.3, abs=0.05)
+    assert policy.times.draft[(("chain", 0), 0)] == pytest.approx(0.3, abs=0.05)
     policy.observe_round(Shape(4), 3, 100, seconds=50.0, timed=False)  # it projected a long backlog
-    assert policy.draft[(("chain", 0), 0)] == pytest.approx(0.3, abs=0.05) and policy.chain.rounds == 22
+    assert policy.times.draft[(("chain", 0), 0)] == pytest.approx(0.3, abs=0.05) and policy.chain.rounds == 22
 
 
 def test_a_long_context_is_costed_by_its_own_rounds():
@@ -164,7 +200,7 @@ def test_a_long_context_is_costed_by_its_own_rounds():
     long.seconds[0] = [1.0 + 0.3 * (w - 1) if s is not None else None for w, s in enumerate(long.seconds[0], 1)]
     shapes = rounds(policy, 300, odds(chain=0.6), context=3500, truth=long, draft=1.0)
     assert sum(s.width == 1 for s in shapes[-100:]) >= 95
-    assert policy.draft[(("chain", 0), 0)] == pytest.approx(0.2)  # the short context's stays as it was
+    assert policy.times.draft[(("chain", 0), 0)] == pytest.approx(0.2)  # the short context's stays as it was
 
 
 def test_a_new_generation_starts_from_what_the_last_one_kept_and_its_timings():
@@ -172,7 +208,7 @@ def test_a_new_generation_starts_from_what_the_last_one_kept_and_its_timings():
     rounds(first, 200, odds(lookup=1.0), found=31)
     second = width_policy(16, first.cost, first, TREE_WIDTHS)
     assert second.lookup[4].judged[0] <= CARRIED_ROUNDS and min(second.lookup[4].rates()[:8]) > 0.8
-    assert second.draft == first.draft and second.rounds == 0
+    assert second.times.draft == first.times.draft and second.rounds == 0
     for _ in range(3):  # this answer does not copy: three misses outweigh the last answer's evidence
         second.observe_round(Shape(32, lookup=True), 0, 100, 1.6, lookup_ngram=4)
     assert second.lookup[4].rates()[0] < 0.6 < 0.9 < first.lookup[4].rates()[0]
@@ -208,7 +244,7 @@ def test_a_generation_with_trees_off_leaves_what_trees_on_learnt(muse_pair):
     mlx_glimmer.generate(muse_pair, PROMPT, GenerationSettings(max_tokens=12, tree="off"))
     again = auto_policy(muse_pair, muse_pair.drafter, trees_on)
     assert again.lookup[4].rates() == pytest.approx(learnt.lookup[4].rates())
-    assert again.trees[8].rates() == pytest.approx(learnt.trees[8].rates())
+    assert again.trees[8].sums == pytest.approx(learnt.trees[8].sums)
     assert again.cost is learnt.cost  # the widest-32 table, with what its rounds refined, is not read afresh
     chains = auto_policy(muse_pair, muse_pair.drafter, GenerationSettings(tree="off"))
     assert chains.trees == {} and chains.lookup == {}

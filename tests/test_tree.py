@@ -32,7 +32,7 @@ from mlx_glimmer.noise import Noise
 from mlx_glimmer.sampling import probabilities
 from mlx_glimmer.settings import GenerationSettings, SamplingParams
 from mlx_glimmer.speculative import generate_steps
-from mlx_glimmer.tree import LOOKUP, MODEL, DraftTree, read_path
+from mlx_glimmer.tree import CHAIN, LOOKUP, MODEL, DraftTree, read_path
 from mlx_glimmer.verify_cost import VerifyCost
 
 PROMPT = [256] + list(b"Once upon a time, far past the window")  # 38 tokens: several windows of 8
@@ -178,7 +178,12 @@ def test_model_tree_is_the_best_first_tree_with_its_ancestors(lib):
     log_probs = log_softmax(np.random.default_rng(3).standard_normal((5, 30)) * 2)
     tree = lib.trees.model_tree(lib.floats(log_probs), 12)
     assert tree.size == 12 and not tree.chain and tree.max_depth == 5
-    assert set(tree.sources.tolist()) == {MODEL}
+    sources, tokens, parents = tree.sources.tolist(), tree.tokens.tolist(), tree.parents.tolist()
+    assert {s & ~CHAIN for s in sources} == {MODEL}
+    # CHAIN marks the drafter's greedy chain: the argmax prefix of every depth the tree reaches
+    greedy = tuple(log_probs.argmax(-1).tolist())
+    marked = [prefix_of(tokens, parents, i) for i in range(1, 13) if sources[i - 1] & CHAIN]
+    assert marked == [greedy[:d] for d in range(1, max(tree.depths.tolist()) + 1)]
     ancestors = np.array(tree.ancestors.tolist())
     for node in range(13):
         assert np.flatnonzero(ancestors[node]).tolist() == path_to(tree, node)
@@ -209,6 +214,9 @@ def test_merged_tree_adds_the_lookup_branch_and_merges_what_the_model_already_ha
     tokens, parents, sources = merged.tokens.tolist(), merged.parents.tolist(), merged.sources.tolist()
     assert [prefix_of(tokens, parents, i) for i in range(1, 7)] == model_prefixes  # the model's nodes come first
     node_10, node_11 = model_prefixes.index((10,)) + 1, model_prefixes.index((10, 11)) + 1
+    chain = [prefix_of(tokens, parents, i) for i in range(1, 10) if sources[i - 1] & CHAIN]
+    assert chain == [(10,), (10, 11), (10, 11, 12)]  # the model's greedy chain, merged nodes included
+    sources = [s & ~CHAIN for s in sources]
     both = MODEL | LOOKUP
     assert sources[node_10 - 1] == sources[node_11 - 1] == both
     assert all(sources[i - 1] == MODEL for i in range(1, 7) if i not in (node_10, node_11))
@@ -224,6 +232,7 @@ def test_merged_tree_adds_the_lookup_branch_and_merges_what_the_model_already_ha
     # A lookup that the model does not predict is a branch of its own from the anchor.
     apart = lib.trees.merged_tree(lib.floats(log_probs), 8, [40, 41])
     tokens, parents, sources = apart.tokens.tolist(), apart.parents.tolist(), apart.sources.tolist()
+    sources = [s & ~CHAIN for s in sources]
     assert apart.size == 8 and tokens[6:] == [40, 41] and parents[6:] == [0, 7]
     assert sources == [MODEL] * 6 + [LOOKUP] * 2
     assert apart.max_depth == 3 and apart.depths.tolist()[7:] == [1, 2]
@@ -238,6 +247,7 @@ def test_merged_tree_maps_the_model_through_its_vocabulary_before_merging(lib):
     vocab = lib.ints([900, 901, 902, 903, 904, 905])
     merged = lib.trees.merged_tree(lib.floats(log_probs), 5, [901, 903], vocab)  # target ids: the model's columns 1, 3
     tokens, parents, sources = merged.tokens.tolist(), merged.parents.tolist(), merged.sources.tolist()
+    sources = [s & ~CHAIN for s in sources]
     prefixes = [prefix_of(tokens, parents, i) for i in range(1, 6)]
     assert set(prefixes[:3]) == {(901,), (901, 903), (902,)} and prefixes[3:] == [(901,), (901, 903)]
     both = MODEL | LOOKUP
@@ -255,7 +265,8 @@ def test_lookup_only_without_marginals_or_budget(lib):
     )  # the lookup fills the budget
     assert no_room.chain and no_room.tokens.tolist() == [5, 6, 7]
     model_only = lib.trees.merged_tree(lib.floats(peaked([{1: 5.0}, {2: 5.0}])), 3, [])
-    assert not model_only.chain and model_only.size == 3 and set(model_only.sources.tolist()) == {MODEL}
+    assert not model_only.chain and model_only.size == 3
+    assert model_only.sources.tolist() == [MODEL | CHAIN, MODEL, MODEL | CHAIN]  # by depth: a second guess at 1
     chain = lib.trees.chain(lib.tokens([4, 5, 6]))
     assert chain.chain and chain.parents.tolist() == [0, 1, 2] and chain.depths.tolist() == [0, 1, 2, 3]
 
@@ -446,6 +457,32 @@ def test_the_greedy_verdict_reads_who_proposed_the_path(lib):
     assert path.positions == [0] and path.next_token == 4 and path.sources == []
 
 
+def test_a_tree_path_says_how_far_the_drafters_chain_would_have_been_kept(lib):
+    """The chain is the model's first node at each depth; the target's choices along it do not depend on the
+    rest of the tree, so the path's leading CHAIN nodes are what the chain alone would have had kept."""
+    log_probs = peaked([{10: 5.0, 20: 4.0}, {11: 5.0, 21: 4.0}, {12: 5.0, 22: 4.0}])
+    tree = lib.trees.merged_tree(lib.floats(log_probs), 8, [10, 11, 30])  # 5 model nodes, then the branch
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node = {prefix_of(tokens, parents, i): i for i in range(tree.size, 0, -1)}  # the first node of each prefix
+
+    def path_for(*target: int):
+        """The path when the target decodes `target` after the anchor (and token 0 after that)."""
+        logits = np.zeros((tree.size + 1, 50), np.float32)
+        logits[:, 0] = 0.5
+        logits[0, target[0]] = 1.0
+        for d in range(1, len(target)):
+            if (at := node.get(tuple(target[:d]))) is not None:
+                logits[at, target[d]] = 1.0
+        return read_path(lib.trees.verdict(tree, lib.floats(logits), GREEDY, None).tolist(), tree.size)
+
+    along = path_for(10, 11, 12)
+    assert along.depth == 3 and along.chain_kept == 3 and along.chain_depth == 3
+    assert path_for(10, 11, 30).chain_kept == 2  # the lookup's branch goes on where the chain is rejected
+    assert path_for(20, 5).chain_kept == 0 and path_for(20, 5).depth == 1  # the drafter's second guess
+    chain = read_path(lib.trees.chain_verdict(lib.trees.chain(lib.tokens([4, 5])), lib.ints([2, 9])).tolist(), 2)
+    assert chain.chain_depth == 0  # a chain round is the chain itself: nothing to add
+
+
 def test_the_chain_verdict_is_rejection_samplings_in_the_trees_form(lib):
     chain = lib.trees.chain(lib.tokens([4, 5, 6]), LOOKUP)
     values = lib.trees.chain_verdict(chain, lib.ints([2, 9])).tolist()
@@ -582,13 +619,17 @@ def test_auto_trees_and_widths_equal_plain_greedy(muse_pair, plain):
     assert auto.token_ids == reference.token_ids and auto.stats.block_policy == "auto"
     wrong = {i for i in range(N_TOKENS) if i % 7 == 3}
     oracle = TreeOracle(len(PROMPT), plain, wrong, muse_pair.target.vocab_size)
-    oracle_pair = dataclasses.replace(muse_pair, drafter=oracle)
-    for _ in range(2):  # the policy carries over to the drafter's next generation, its shapes timed by then
-        agreeing = mlx_glimmer.generate(oracle_pair, PROMPT, max_tokens=N_TOKENS)
-        assert agreeing.token_ids == reference.token_ids
-    # Whether trees or chains carry it follows this machine's timings of a tiny model (a tree's drafting costs
-    # about a verify here): the block policy's own tests choose between them; here, the rounds only drafted.
-    assert agreeing.stats.target_forwards < len(reference.token_ids) / 4
+    agreeing = mlx_glimmer.generate(dataclasses.replace(muse_pair, drafter=oracle), PROMPT, max_tokens=N_TOKENS)
+    assert agreeing.token_ids == reference.token_ids
+    # Timed by a flat cost table, not this machine's clock: a chain stops at every wrong index (6 tokens at most
+    # a round), trees take the side branch there, and carry the rounds once the policy has seen both.
+    flat = table_timed(width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS))
+    for _ in range(2):  # the second generation starts from what the first learnt
+        oracle = TreeOracle(len(PROMPT), plain, wrong, muse_pair.target.vocab_size)
+        settings = GenerationSettings(max_tokens=N_TOKENS)
+        steps = list(generate_steps(muse_pair.target, PROMPT, settings, drafter=oracle, policy=flat))
+        assert tokens_of(steps) == plain
+    assert len(steps) < N_TOKENS / 4 and sum(s.tree for s in steps) > len(steps) / 2
 
     # A policy that prefers trees: each round a tree or a chain, as it chooses, and still plain greedy's tokens.
     policy = width_policy(16, VerifyCost(32, [[1.0] * 32 for _ in range(4)]), tree_widths=TREE_WIDTHS)
