@@ -15,6 +15,7 @@ from tree_libraries import LIBRARIES
 
 from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
+from mlx_glimmer.tree import CHAIN, LOOKUP, MODEL
 
 PROMPT = [256] + list(b"Once upon a time")
 NODE = re.compile(r'^\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}$', re.M)
@@ -188,7 +189,9 @@ def test_the_lookups_branch_runs_through_the_model_nodes_it_repeats(lib):
         assert merged.tokens.tolist() == tokens + lookup
         assert merged.parents.tolist() == parents + branch_parents
         assert merged.depths.tolist() == [0] + depths + list(range(1, len(lookup) + 1))
-        assert merged.sources.tolist() == [1 | (2 if i + 1 in through else 0) for i in range(n)] + [2] * len(lookup)
+        first = [i == 0 or depths[i] != depths[i - 1] for i in range(n)]  # the model's greedy chain
+        expected = [MODEL | (LOOKUP if i + 1 in through else 0) | (CHAIN if first[i] else 0) for i in range(n)]
+        assert merged.sources.tolist() == expected + [LOOKUP] * len(lookup)
         assert merged.ancestors.tolist() == walked_ancestors(parents + branch_parents)
         merged_some += bool(through)
     assert merged_some > 10
