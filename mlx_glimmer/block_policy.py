@@ -93,7 +93,7 @@ class TreeGain:
 
     size: int  # nodes under the anchor (the budget less one)
     # Over its rounds, decayed: tokens committed, tokens the chain inside would have, its depth, the rounds.
-    sums: list[float] = field(default_factory=lambda: [0.0] * 4)
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
     rounds: float = 0.0  # not forgotten: exploration's count
 
     def observe(self, accepted: int, chain_depth: int, chain_kept: int) -> None:
@@ -110,7 +110,7 @@ class TreeGain:
         return inside * (weight * committed / kept + PRIOR_WEIGHT * full / inside) / (weight + PRIOR_WEIGHT)
 
     def carried(self) -> "TreeGain":
-        scale = min(1.0, CARRIED_ROUNDS / self.sums[3]) if self.sums[3] else 1.0
+        scale = min(1.0, CARRIED_ROUNDS / self.sums[-1]) if self.sums[-1] else 1.0
         return TreeGain(self.size, [s * scale for s in self.sums], min(self.rounds, CARRIED_ROUNDS))
 
 
