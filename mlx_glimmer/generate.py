@@ -360,11 +360,17 @@ def calibrate(
     widths (about a second on the demo pair); a caller that shows progress calls this after loading and
     passes `on_measure`, which hears one line before any timing starts. Without it, the first generation
     measures silently. `on_measure` also hears, in one line, why draft trees are off where the drafter could
-    seed them but the target cannot verify them (`TargetModel.tree_unsupported`)."""
+    seed them but the target cannot verify them (`TargetModel.tree_unsupported`), or where a tree of N nodes
+    was asked for and the drafter proposes chains only."""
     drafter = pair.drafter if settings.speculative else None
-    refusal = pair.target.tree_unsupported
-    if on_measure is not None and refusal and drafter is not None and drafter.has_marginals and settings.tree != OFF:
-        on_measure(f"draft trees off, chains only: {refusal}")
+    why = None
+    if drafter is not None and settings.tree != OFF:
+        if drafter.has_marginals:
+            why = pair.target.tree_unsupported
+        elif isinstance(settings.tree, int):  # asked for by number; under "auto" chains are the expected case
+            why = f"the {drafter.kind} drafter proposes chains only (no per-position distributions)"
+    if on_measure is not None and why:
+        on_measure(f"draft trees off, chains only: {why}")
     if drafter is not None and settings.auto and drafter.block_size > 1:
         _verify_cost(pair, max((drafter.block_size, *_tree_widths(pair.target, drafter, settings))), on_measure)
 

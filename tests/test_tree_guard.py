@@ -6,12 +6,14 @@ chains only, and says why in one line; one whose small tree verify at load disag
 tokens turns trees off the same way (`tree_check.py`). Either way its output is its plain greedy decoding.
 """
 
+import dataclasses
 import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.llama as mlx_llama
 import pytest
+from oracle_drafter import OracleDrafter
 
 import mlx_glimmer
 from mlx_glimmer.generate import calibrate
@@ -131,6 +133,16 @@ def test_a_tree_verify_that_fails_at_load_turns_trees_off_instead_of_failing_the
     assert tokens_of(steps) == plain_greedy(pair.target)
 
 
+def test_a_tree_asked_of_a_chain_drafter_is_announced_as_chains(muse_pair):
+    chains_only = dataclasses.replace(muse_pair, drafter=OracleDrafter(3, [5] * 40, set(), muse_pair.target.vocab_size))
+    assert announced(chains_only) == [
+        "draft trees off, chains only: the oracle drafter proposes chains only (no per-position distributions)"
+    ]
+    lines = []
+    calibrate(chains_only, GenerationSettings(max_tokens=40), lines.append)  # trees "auto": nothing to say
+    assert not [line for line in lines if "tree" in line]
+
+
 @pytest.mark.parametrize("name", ["muse_pair", "llama_pair"])
 def test_a_target_whose_tree_verify_agrees_keeps_trees(request, name):
     pair = request.getfixturevalue(name)
@@ -142,11 +154,15 @@ def test_a_target_whose_tree_verify_agrees_keeps_trees(request, name):
 
 
 def test_pairs_that_never_draft_trees_skip_the_check(checkpoints, one_offset_rope):
-    """Plain decoding, and a classic draft model (chains only): nothing to check, nothing to say."""
+    """Plain decoding, and prompt lookup alone (chains only): nothing to check; asked for a tree, the lookup says
+    it drafts chains."""
     plain = mlx_glimmer.load(target=checkpoints["llama"], use_drafter=False)
     lookup = mlx_glimmer.load(target=checkpoints["llama"], prompt_lookup=True)
     assert plain.target.tree_unsupported is None and lookup.target.tree_unsupported is None
-    assert announced(lookup) == []
+    assert announced(plain) == []
+    assert announced(lookup) == [
+        "draft trees off, chains only: the prompt-lookup drafter proposes chains only (no per-position distributions)"
+    ]
 
 
 @pytest.fixture
