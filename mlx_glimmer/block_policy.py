@@ -116,8 +116,8 @@ class TreeGain:
 
 @dataclass
 class WidthPolicy:
-    """The shapes' acceptance (`chain`, `trees` per budget, `lookup` per n-gram length with 0 pooled), their
-    verify cost (`cost`) and drafting seconds (`draft`, per proposer and band), and the choice they make."""
+    """The shapes' acceptance (`chain`, `trees` per budget, `lookup` per n-gram length with 0 pooled), what their
+    rounds take (`times`: verify cost by width, drafting seconds per proposer and band), and the choice they make."""
 
     times: RoundTimes
     chain: DepthAcceptance

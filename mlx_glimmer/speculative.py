@@ -41,7 +41,7 @@ from .noise import Noise
 from .sampling import pick
 from .settings import MAX_TREE_NODES, OFF, GenerationSettings, SamplingParams
 from .target_model import Array, TargetModel
-from .tree import LOOKUP, MODEL, SOURCE_NAMES, DraftTree, Path
+from .tree import LOOKUP, DraftTree, Path, source_name
 
 
 def _verdict(target: TargetModel, logits: Array, draft: Array, params: SamplingParams, noise: Noise) -> Array:
@@ -351,7 +351,7 @@ def _commit(
         drafted=size,
         accepted=m - 1,
         tree=rnd.shape.tree,
-        source=SOURCE_NAMES.get(path.sources[m - 2] & (MODEL | LOOKUP), "") if m > 1 else "",
+        source=source_name(path.sources[m - 2]) if m > 1 else "",
         draft_s=rnd.draft_s,
         stopped=stopped,
         logprobs=logprobs,

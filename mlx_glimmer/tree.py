@@ -41,8 +41,15 @@ from .settings import SamplingParams
 # that chain alone would have been kept.
 MODEL, LOOKUP, CHAIN = 1, 2, 4
 SOURCE_NAMES = {MODEL: "model", LOOKUP: "lookup", MODEL | LOOKUP: "both"}
+
+
 _TOP = -1e-3  # log-probabilities are capped here, so a child scores strictly below its parent
 _INF = float("inf")
+
+
+def source_name(source: int) -> str:
+    """Who proposed a node, by its source bits (`SOURCE_NAMES`; CHAIN says nothing of who)."""
+    return SOURCE_NAMES.get(source & (MODEL | LOOKUP), "")
 
 
 @dataclass

@@ -240,7 +240,7 @@ class RoundTimes:
         self.samples[key] = drafted + 1
         self.draft[key] = average(self.draft.get(key), max(drafting + (1 - share) * error, 0.0), drafted + 1)
 
-    def carried(self, cost: "VerifyCost") -> "RoundTimes":
+    def carried(self, cost: VerifyCost) -> RoundTimes:
         """For the next generation, on `cost`: the same drafting seconds and warm shapes."""
         return RoundTimes(cost, dict(self.draft), dict(self.samples), set(self.warm))
 
