@@ -22,6 +22,14 @@ the child, never in the user's command. The verdict is kept in the cache per
 library file and CPU. The re-executed process checks that `cblas_sgemm` really
 resolves into the chosen library; when no fast BLAS can be had it says so
 once, in one line, with the fix.
+
+A command that runs torch in the same process (`distill`, `--backend torch`)
+is re-executed without the preload: a preloaded OpenBLAS interposes torch's
+own `sgemm_` calls too (ELF symbol interposition), and torch's float32
+products run on its bundled MKL faster than on OpenBLAS. There the chosen
+library is loaded into the global symbol scope after torch is imported and
+before MLX is, so MLX's `cblas_sgemm` binds to OpenBLAS and torch keeps its
+own (`LD_DEBUG=bindings` shows both bindings; a test reads them).
 BLAS choice never changes results beyond float rounding of the matmuls.
 macOS is untouched (Metal). `MLX_GLIMMER_BLAS=reference` turns all of this off.
 """
@@ -32,6 +40,7 @@ import ctypes
 import functools
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -231,13 +240,18 @@ def warn_once(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
-def reexec_env(cache: Path) -> dict | None:
-    """The environment to re-execute this process with an OpenBLAS preloaded, or None when there is nothing
-    to do (not Linux, switched off, already preloaded) or nothing to preload (then it warns once)."""
+def reexec_env(cache: Path, torch_first: bool = False) -> dict | None:
+    """The environment to re-execute this process with, or None when there is nothing to do (not Linux,
+    switched off, already set up) or nothing to load (then it warns once).
+
+    Without `torch_first` the chosen OpenBLAS is preloaded; with it, the re-executed process loads it itself
+    (`load_after_torch`), so a preload of it is dropped."""
     if not sys.platform.startswith("linux") or os.environ.get(ENV) == "reference":
         return None
-    if os.environ.get(ENV) or any(is_fast(p) for p in preloaded()):
-        check_fast_blas()
+    chosen = os.environ.get(ENV)
+    if torch_first and chosen and chosen in preloaded():
+        return {**os.environ, "LD_PRELOAD": " ".join(p for p in preloaded() if p != chosen)}
+    if chosen or any(is_fast(p) for p in preloaded()):
         return None
     found = candidates(cache)
     choice = first_that_runs(found, cache)
@@ -248,22 +262,41 @@ def reexec_env(cache: Path) -> dict | None:
         return None
     env = dict(os.environ)
     env[ENV] = choice.library
-    env["LD_PRELOAD"] = " ".join([choice.library, *preloaded()])
+    if not torch_first:
+        env["LD_PRELOAD"] = " ".join([choice.library, *preloaded()])
     if choice.library_path:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (choice.library_path, env.get("LD_LIBRARY_PATH")) if p)
     return env
 
 
-def ensure_fast_blas(cache: Path) -> None:
-    """On Linux, re-execute this command with an OpenBLAS preloaded (once), or warn that matmuls will be slow.
+def load_after_torch() -> None:
+    """Import torch (when installed), then load the OpenBLAS the re-execution chose into the global symbol
+    scope, before MLX loads: MLX binds its `cblas_sgemm` to it at load, torch has bound its `sgemm_` already."""
+    chosen = os.environ.get(ENV)
+    if not chosen or chosen == "reference" or chosen in preloaded():
+        return
+    if "mlx.core" in sys.modules:
+        warn_once(f"MLX was loaded before {chosen}: its matrix products stay on the BLAS it loaded with")
+        return
+    if importlib.util.find_spec("torch") is not None:
+        import torch  # noqa: F401  (binds torch's BLAS calls before OpenBLAS joins the global scope)
+    ctypes.CDLL(chosen, mode=ctypes.RTLD_GLOBAL)
 
-    Call it first thing in a command-line entry point: it may not return.
+
+def ensure_fast_blas(cache: Path, torch_first: bool = False) -> None:
+    """On Linux, re-execute this command once so that MLX runs on an OpenBLAS, or warn that matmuls will be slow.
+    `torch_first`: this command also runs torch, which keeps its own BLAS (see the module docstring).
+
+    Call it first thing in a command-line entry point, before MLX is imported: it may not return.
     """
-    env = reexec_env(cache)
+    env = reexec_env(cache, torch_first)
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, sys.orig_argv, env)
+    if torch_first:
+        load_after_torch()
+    check_fast_blas()
 
 
 def check_fast_blas() -> None:

@@ -529,6 +529,11 @@ CHECKS = {
 }
 
 
+def runs_torch(args) -> bool:
+    """Whether the command runs torch in its own process: torch then keeps its own BLAS (`blas`)."""
+    return args.command in ("distill", "parity") or (args.command == "generate" and args.backend == "torch")
+
+
 def check_launch(args) -> None:
     """Under `mlx.launch` only `generate` on MLX, `serve` and `chat` run, the target split across the
     processes; any other command is one error (from rank 0). Asked after the BLAS re-exec: MLX's distributed
@@ -553,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # flags are fine: now get a fast CPU BLAS (may re-execute this command)
             from .blas import ensure_fast_blas
 
-            ensure_fast_blas(cache_dir() / "blas")
+            ensure_fast_blas(cache_dir() / "blas", torch_first=runs_torch(args))
         check_launch(args)
         return COMMANDS[args.command](args)
     except GlimmerError as e:

@@ -176,3 +176,56 @@ def test_the_blas_never_changes_greedy_tokens_but_keys_the_verify_cost_tables(ll
     assert not blas.is_fast(runs["reference"]["sgemm"]), runs["reference"]["sgemm"]
     assert runs["reference"]["tokens"] == runs["openblas"]["tokens"] and len(runs["openblas"]["tokens"]) == 40
     assert "BLAS reference" in runs["reference"]["key"] and "openblas" in runs["openblas"]["key"].lower(), runs
+
+
+TORCH_AND_MLX = (
+    "import sys; from pathlib import Path; from mlx_glimmer.blas import ensure_fast_blas; "
+    "ensure_fast_blas(Path(sys.argv[1]), torch_first=sys.argv[2] == 'torch-first'); "
+    "import mlx.core as mx, torch; mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); torch.ones(8, 8) @ torch.ones(8, 8)"
+)
+
+
+def sgemm_bindings(tmp_path, order: str) -> set[tuple[str, str, str]]:
+    """(library, bound to, symbol) for every `sgemm_` / `cblas_sgemm` binding the dynamic loader made in a process
+    set up by `ensure_fast_blas` (and its re-execution), as `LD_DEBUG=bindings` reports them."""
+    debug = tmp_path / order
+    debug.mkdir()
+    env = clean_env(LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(debug / "ld"))
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_AND_MLX, str(tmp_path / "cache"), order],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    found = set()
+    for path in debug.iterdir():
+        for line in path.read_text(errors="replace").splitlines():
+            if "binding file" in line and ("`sgemm_'" in line or "`cblas_sgemm'" in line):
+                parts = line.split()
+                library, bound = parts[parts.index("file") + 1], parts[parts.index("to") + 1]
+                found.add((os.path.basename(library), os.path.basename(bound), parts[-1].strip("`'")))
+    return found
+
+
+def test_a_command_that_runs_torch_keeps_torchs_own_blas_while_mlx_gets_openblas(tmp_path):
+    """A preloaded OpenBLAS interposes torch's `sgemm_` calls as well as MLX's; a command that runs torch
+    (`distill`, `--backend torch`) loads it after torch instead, so MLX binds to it and torch keeps its own."""
+    pytest.importorskip("torch")
+    preloaded = sgemm_bindings(tmp_path, "preload")
+    assert ("libtorch_cpu.so", "libopenblas.so.0", "sgemm_") in preloaded, preloaded
+    torch_first = sgemm_bindings(tmp_path, "torch-first")
+    assert ("libtorch_cpu.so", "libtorch_cpu.so", "sgemm_") in torch_first, torch_first
+    assert ("libmlx.so", "libopenblas.so.0", "cblas_sgemm") in torch_first, torch_first
+    assert not any(lib == "libtorch_cpu.so" and "openblas" in bound for lib, bound, _ in torch_first), torch_first
+
+
+def test_a_command_that_runs_torch_is_named_so_before_the_reexec():
+    from mlx_glimmer.cli import build_parser, runs_torch
+
+    parse = build_parser().parse_args
+    assert runs_torch(parse(["distill", "--out", "run"]))
+    assert runs_torch(parse(["generate", "--prompt", "hi", "--backend", "torch"]))
+    assert not runs_torch(parse(["generate", "--prompt", "hi"]))
+    assert not runs_torch(parse(["chat"]))

@@ -1,14 +1,17 @@
 """Feature-pass throughput: target tokens per second of `distill`'s feature store, by source and precision.
 
     python benchmarks/experiments/feature_pass.py [BUNDLE] [--data runs/demo2/data/responses.jsonl] [--answers 256]
-        [--sources torch:float32,torch:bfloat16,mlx:float32] [--out benchmarks/experiments/results/feature_pass.json]
+        [--sources torch:float32,torch:bfloat16,mlx:float32] [--blas-order torch-first|preload] [--note TEXT]
+        [--out benchmarks/experiments/results/feature_pass.json]
 
 Each source computes the features (the outputs of the drafter's target layers, and the final hidden states) of
 the same first `--answers` training sequences (prompt + answer, as `distill` trains on them) into a fresh store
 in a temporary folder, the way `distill` does (`FeatureStore.ensure`), and the wall time of the whole pass is
 divided into the tokens. The first chunk is timed too: what a user waits for is the whole pass. The results
 file names the CPU, its flags that decide the precision (`avx512_bf16`, `amx_bf16`, ...), the BLAS MLX runs on,
-and which of the sources `distill --feature-source auto` would time here (`candidate_sources`) measured fastest. Run it with nothing else running.
+and which of the sources `distill --feature-source auto` would time here (`candidate_sources`) measured fastest.
+`--blas-order preload` measures torch's products on the preloaded OpenBLAS (how `distill` ran before it loaded
+OpenBLAS after torch). Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT / "runs" / "demo2" / "data" / "responses.jsonl"))
     ap.add_argument("--answers", type=int, default=256)
     ap.add_argument("--sources", default="torch:float32,torch:bfloat16,mlx:float32")
+    ap.add_argument("--blas-order", choices=["torch-first", "preload"], default="torch-first")
+    ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the results file")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "feature_pass.json"))
     args = ap.parse_args(argv)
 
     from mlx_glimmer.blas import blas_name, ensure_fast_blas
     from mlx_glimmer.paths import cache_dir
 
-    ensure_fast_blas(cache_dir() / "blas")  # as the CLI does: MLX on OpenBLAS where one runs here
+    # torch-first, as `distill` does: MLX on OpenBLAS where one runs here, torch on its own BLAS (loaded before
+    # OpenBLAS); preload: OpenBLAS preloaded, which torch's products then run on too (how `distill` ran before)
+    ensure_fast_blas(cache_dir() / "blas", torch_first=args.blas_order == "torch-first")
 
     from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.demo import demo_bundle
@@ -66,6 +73,8 @@ def main(argv=None) -> int:
         "target_tokens": tokens,
         "cpu": cpu_facts(),
         "blas": blas_name(),
+        "blas_order": args.blas_order,
+        "note": args.note,
         "candidates_here": candidate_sources(),
         "fastest_candidate": max(here, key=lambda r: r["tokens_per_second"])["source"] if here else None,
         "rows": rows,
