@@ -34,7 +34,6 @@ from .errors import GlimmerError
 from .flags import add_drafter_flags, nonnegative_int, positive_int, tree_arg
 from .paths import DATA_DIR
 from .settings import AUTO, OFF, GenerationSettings
-from .verify_cost import describe
 
 
 @dataclass
@@ -208,7 +207,7 @@ def run_bench(
     with_lookup: bool = False,
     log=None,
 ) -> dict:
-    from .generate import encode_prompt, verify_costs
+    from .generate import encode_prompt, verify_costs, width_histogram
 
     log = log or sys.stderr
     if pair.drafter is None and block_sizes:
@@ -266,7 +265,7 @@ def run_bench(
                 "mean_tokens_verified": r.mean_tokens_verified,
                 "mean_accepted_depth": r.mean_accepted_depth,
                 "median_speedup_over_plain": median_speedup(r.per_prompt_tokens_per_second, plain),
-                "verify_width_histogram": describe(r.widths),
+                "verify_width_histogram": width_histogram(r.widths),
             }
             for m, r in results.items()
         },

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -46,7 +47,7 @@ from .ranks import split_group
 from .settings import AUTO, MAX_LOGPROBS, MAX_TREE_NODES, OFF, GenerationSettings, SamplingError
 from .speculative import generate_steps, tree_setting
 from .target_model import TargetModel
-from .verify_cost import VerifyCost, cached_verify_cost, calibration_key, describe
+from .verify_cost import VerifyCost, cached_verify_cost, calibration_key
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -65,6 +66,12 @@ class GenerationPair(Protocol):
 
     @property
     def device_key(self) -> str: ...
+
+
+def width_histogram(widths: list[int]) -> dict[str, int]:
+    """How many rounds verified each width, as `--json` and `bench` print it."""
+    counts = Counter(widths)
+    return {str(w): counts[w] for w in sorted(counts)}
 
 
 @dataclass
@@ -108,7 +115,7 @@ class GenerationStats:
 
     @property
     def verify_width_histogram(self) -> dict[str, int]:
-        return describe(self.verify_widths)
+        return width_histogram(self.verify_widths)
 
     def tally(self, generated: int, first_at: float, now: float, *, stopped: bool, max_tokens: int) -> None:
         """The figures after `generated` tokens, the first committed at `first_at` and the last at `now`: the decode

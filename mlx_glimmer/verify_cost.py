@@ -13,7 +13,6 @@ import hashlib
 import json
 import platform
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -243,9 +242,3 @@ class RoundTimes:
     def carried(self, cost: VerifyCost) -> RoundTimes:
         """For the next generation, on `cost`: the same drafting seconds and warm shapes."""
         return RoundTimes(cost, dict(self.draft), dict(self.samples), set(self.warm))
-
-
-def describe(widths: list[int]) -> dict[str, int]:
-    """Histogram of verify widths, as `--json` and `bench` print it."""
-    hist = Counter(widths)
-    return {str(w): hist[w] for w in sorted(hist)}
