@@ -518,7 +518,7 @@ def test_bad_flags_are_refused_before_the_blas_reexec_and_heavy_imports(tmp_path
 import json, sys
 import mlx_glimmer.blas as blas
 reexecs = []
-blas.ensure_fast_blas = lambda cache: reexecs.append(str(cache))
+blas.ensure_fast_blas = lambda cache, torch_first=False: reexecs.append(str(cache))
 from mlx_glimmer.cli import main
 codes = []
 for argv in {[[a.replace("RUN", str(tmp_path / "run")) for a in argv] for argv in FAST_REFUSALS]!r}:

@@ -152,7 +152,8 @@ class SplitServer:
         )
         self.log: list[str] = []
         self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self.drain, daemon=True).start()
+        self.drainer = threading.Thread(target=self.drain, daemon=True)
+        self.drainer.start()
         deadline = time.monotonic() + timeout
         while " at http://" not in (line := self.lines.get(timeout=max(0.1, deadline - time.monotonic())) or ""):
             if line is None or self.proc.poll() is not None:
@@ -179,7 +180,7 @@ class SplitServer:
 
     def interrupt(self, timeout: float) -> None:
         """Ctrl-C to every rank (as a terminal sends it; the launcher itself is spared, to report their
-        exits), and wait until they are all gone."""
+        exits), and wait until they are all gone and `log` holds everything they wrote."""
         ranks = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(ranks) == 2
         for pid in ranks:
@@ -189,6 +190,7 @@ class SplitServer:
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail("serve under mlx.launch did not stop on Ctrl-C:\n" + "".join(self.log))
+        self.drainer.join(timeout)  # its last lines may still be in the pipe when the process is gone
 
     def kill(self):
         os.killpg(self.proc.pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """The shipped drafter against the demo target at the precision it is served in: tokens per target forward.
 
     python benchmarks/experiments/quantized_acceptance.py [--bits 4,3] [--group-size 64] [--num-prompts 24]
-        [--max-tokens 128] [--drafter DIR] [--out benchmarks/experiments/results/quantized_acceptance.json]
+        [--max-tokens 128] [--drafter DIR] [--no-float] [--out benchmarks/experiments/results/quantized_acceptance.json]
 
 The float demo target is re-quantized by `mlx-glimmer convert --bits B --group-size G` (into
 runs/quantized/qB), as a user serving it at B bits would. MLX's quantized products are about ten times slower
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--parity-prompts", type=int, default=2)
     ap.add_argument("--drafter", default=str(SHIPPED))
+    ap.add_argument("--no-float", action="store_true", help="measure the quantized targets only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/experiments/results/quantized_acceptance.json"))
     args = ap.parse_args(argv)
 
@@ -137,10 +138,14 @@ def main(argv=None) -> int:
     float_target = demo_bundle() / "target"
     work = ROOT / "runs" / "quantized"
     rows = []
-    print("float target", file=sys.stderr)
-    rows.append(
-        {"target": "float32 (the demo target)", **measure(float_target, Path(args.drafter), prompts, args.max_tokens)}
-    )
+    if not args.no_float:
+        print("float target", file=sys.stderr)
+        rows.append(
+            {
+                "target": "float32 (the demo target)",
+                **measure(float_target, Path(args.drafter), prompts, args.max_tokens),
+            }
+        )
     for bits in (int(b) for b in args.bits.split(",")):
         quantized = quantized_target(float_target, bits, args.group_size, work)
         values = dequantized_copy(quantized, work / f"q{bits}-values")
