@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
         rows.append({"source": spec, "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds)})
     here = [r for r in rows if r["source"] in candidate_sources()]
     result = {
-        "command": "python benchmarks/experiments/feature_pass.py " + " ".join(argv or sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/experiments/feature_pass.py", *(argv or sys.argv[1:])]),
         "bundle": str(args.bundle or "demo"),
         "answers": len(sequences),
         "target_tokens": tokens,

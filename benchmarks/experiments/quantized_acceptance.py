@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         row["parity_with_quantized_kernels"] = parity(quantized, values, prompts[: args.parity_prompts], 32)
         rows.append({**row, **measure(values, Path(args.drafter), prompts, args.max_tokens)})
     result = {
-        "command": " ".join(["python benchmarks/experiments/quantized_acceptance.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "benchmarks/experiments/quantized_acceptance.py", *(argv or sys.argv[1:])]),
         "drafter": str(Path(args.drafter).resolve().relative_to(ROOT))
         if Path(args.drafter).resolve().is_relative_to(ROOT)
         else args.drafter,
