@@ -578,20 +578,21 @@ def shared_steps(metrics: dict[str, float]) -> float:
 
 
 @pytest.mark.network
-def test_demo_four_concurrent_clients_are_batched_and_equal_solo_greedy(demo):
+def test_demo_concurrent_clients_are_batched_and_equal_solo_greedy(demo):
     bundle, server, pair = demo
     before = shared_steps(server.metrics())
     messages = [ask(f"Tell me something interesting about {t}.") for t in TOPICS]
     body = {"model": "demo", "max_tokens": 32, "temperature": 0}
     with ThreadPoolExecutor(len(messages)) as pool:
         replies = list(pool.map(lambda m: post(server, {**body, "messages": m}), messages))
-    # Steps that several of them shared (how many joined each step follows when each request arrived: a client
-    # thread that a busy machine starts late joins a batch already under way)
+    # Steps that several of them shared. Which replies took part follows when each request arrived: a client
+    # thread that a busy machine starts late joins a batch under way, or finds the others done and runs alone.
     assert shared_steps(server.metrics()) > before
+    assert sum(r["glimmer"]["batched_tokens"] > 0 for r in replies) >= 2
     for m, reply in zip(messages, replies):
         ref = mlx_glimmer.generate(pair, m, max_tokens=32, speculative=False)  # solo greedy: the target's, quicker
         stats = reply["glimmer"]
-        assert stats["batched_tokens"] > 0 and stats["batch_size"] > 1
+        assert (stats["batched_tokens"] > 0) == (stats["batch_size"] > 1)
         text = reply["choices"][0]["message"]["content"]
         if text != ref.text:  # parted at a tie? (the reply's tokens, as its text encodes them)
             tokens = list(pair.tokenizer.encode(text, add_special_tokens=False))

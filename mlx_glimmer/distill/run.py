@@ -239,7 +239,7 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
                 "per_prompt": report.per_prompt,
                 "sequences_seen": seen,
                 "target_tokens_seen": round(seen * tr.answer_tokens_per_draw),  # of the answers steps draw from
-                "block_positions_per_second": getattr(tr, "positions_per_second", None),
+                "block_positions_per_second": tr.positions_per_second,
             }
         ]
         log_path.write_text(json.dumps(log, indent=2))

@@ -273,6 +273,7 @@ class Trainer:
         self.embed = target.model.model.embed_tokens
         self.step = 0
         self.order: list[int] = []  # sequences left in this epoch
+        self.positions_per_second: float | None = None  # over the last logged stretch of steps
         if config.backend == "mlx":
             self.step_fn: TrainStep = MLXStep(self.model, self.head, self.embed, config)
         elif config.backend == "torch":
