@@ -3,9 +3,10 @@
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
         [--steps 20] [--rounds 3] [--note TEXT] [--out benchmarks/experiments/results/train_step_rate.json]
 
-RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and finished feature store (RUN/features) the
-steps read, as `distill --train-only` would (default: runs/demo2). Each configuration builds the trainer `distill`
-builds (the recipe's defaults: 4 answers x 64 anchors per step, an 8,192-token draft vocabulary, random weights),
+RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
+if a kill cut it short) the steps read, as `distill --train-only` would (default: runs/demo2). Each configuration
+builds the trainer `distill` builds (the recipe's defaults: 4 answers x 64 anchors per step, an 8,192-token draft
+vocabulary, random weights),
 compiles its step for every context width first (`[compile]`, outside the timer, its seconds recorded), then the
 configurations take turns, `--steps` optimiser steps each per round, so that load from elsewhere hits all alike.
 The BLAS is loaded as `distill` loads it (torch first, then OpenBLAS for MLX). The results file names the CPU, its
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
             work = Path(tempfile.mkdtemp())
             (work / "features").symlink_to(features.resolve())
             trainer = Trainer(pair.target, records, config, work, mask_token_id=mask, feature_source=source)
+            trainer.features.ensure()  # a store cut short by a kill is finished first, as `distill` would
             name = f"{layers} layers, {spec}"
             tic = time.perf_counter()
             trainer.warm_up()
