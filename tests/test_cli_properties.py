@@ -127,6 +127,7 @@ COMMANDS = {
             "--context-layers": below_one,
             "--eval-prompts": below_one,
             "--eval-tokens": below_one,
+            "--eval-tree": st.one_of(negative, as_text(st.integers(min_value=64))),
             "--max-prompts": below_one,
             "--draft-vocab": below_one,
             "--gen-threads": below_one,

@@ -124,6 +124,23 @@ def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_fil
     assert all(mx.array_equal(at_zero[k], v.astype(mx.float32)) for k, v in init.items() if k != "draft_vocab")
 
 
+def test_a_run_can_pick_its_checkpoint_on_a_draft_tree_and_never_compares_across_shapes(
+    checkpoints, answered, tmp_path
+):
+    answers, prompt_files = answered
+    run = tmp_path / "run"
+    shutil.copytree(answers, run)
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 2, "--eval-every", 2]
+    tree = distill(checkpoints["llama"], "--out", run, *prompt_files, *flags, "--eval-tree", 3)
+    assert tree.returncode == 0, tree.stderr
+    log = json.loads((run / "log.json").read_text())
+    assert log["eval"]["tree"] == 3 and [(e["step"], e["eval_tree"]) for e in log["evaluations"]] == [(2, 3)]
+    assert (run / "drafter" / "model.safetensors").is_file()
+    chain = distill(checkpoints["llama"], "--out", run, *prompt_files, *flags)  # done: nothing new to evaluate
+    assert chain.returncode != 0 and chain.stderr.strip().splitlines()[-1].startswith("error:")
+    assert "--eval-tree [3], not 0" in chain.stderr and "Traceback" not in chain.stderr
+
+
 def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt_files, tmp_path):
     both = distill(checkpoints["llama"], "--out", tmp_path / "a", *prompt_files, "--data-only", "--train-only")
     nothing = distill(checkpoints["llama"], "--out", tmp_path / "b", *prompt_files, "--train-only")

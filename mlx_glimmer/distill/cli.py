@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..errors import GlimmerError
 from ..files import check_model_dir, check_model_files, check_regular_file, pair_paths, read_config_json
-from ..flags import nonnegative_int, positive_float, positive_int, seed_arg, unit_float
+from ..flags import bounded_int, nonnegative_int, positive_float, positive_int, seed_arg, unit_float
 from ..paths import DATA_DIR
+from ..settings import MAX_TREE_NODES
 from .step import TrainConfig, target_init_layers
 
 
@@ -213,6 +214,14 @@ def add_distill_parser(sub) -> None:
     )
     p.add_argument("--eval-prompts", type=positive_int, default=16, help="held-out prompts per evaluation (default 16)")
     p.add_argument("--eval-tokens", type=positive_int, default=96, help="tokens per held-out prompt (default 96)")
+    p.add_argument(
+        "--eval-tree",
+        type=bounded_int(0, MAX_TREE_NODES),
+        default=0,
+        help="held-out evaluation verifies a draft tree of N nodes under the anchor every round (N + 1 tokens; "
+        "7 is the tree the default decoding verifies most) instead of the 16-wide chain, and the best checkpoint "
+        f"is picked on it; 0: the chain (default 0; at most {MAX_TREE_NODES})",
+    )
     p.add_argument(
         "--mask-token",
         type=nonnegative_int,

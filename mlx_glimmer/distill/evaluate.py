@@ -31,12 +31,19 @@ def heldout_acceptance(
     *,
     max_tokens: int = 128,
     block_size: int = 16,
+    tree: int = 0,
     stop_ids=(),
 ) -> AcceptanceReport:
+    """Greedy tokens per target forward with a chain of `block_size` verified tokens every round, or with
+    `tree` > 0 a draft tree of `tree` nodes under the anchor every round."""
     drafter = DFlashDrafter(model, target)
+    settings = (
+        GenerationSettings(max_tokens=max_tokens, tree=tree)
+        if tree
+        else GenerationSettings(max_tokens=max_tokens, block_size=block_size)
+    )
     per_prompt, tokens, forwards = [], 0, 0
     for ids in prompts:
-        settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size)
         steps = list(generate_steps(target, ids, settings, drafter=drafter, stop_ids=stop_ids))
         rounds = [len(s.tokens) for s in steps[1:]]
         if rounds:

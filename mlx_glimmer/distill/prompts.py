@@ -342,3 +342,11 @@ def build_prompt_set(
     items = [it for it in dedupe(items) if keep(it["prompt"])]
     rng.shuffle(items)
     return items
+
+
+def more_self_instructed(existing: list[str], self_instruct: list[str], heldout: list[str]) -> list[dict]:
+    """The self-written prompts a frozen prompt list grows by: those `build_prompt_set` would keep that the list
+    does not hold yet, in the order written (so growing twice to the same count appends nothing)."""
+    keep, have = heldout_filter(heldout), {normalise(p) for p in existing}
+    items = dedupe([{"prompt": p, "kind": "self"} for p in self_instruct if is_instruction(p)])
+    return [it for it in items if normalise(it["prompt"]) not in have and keep(it["prompt"])]

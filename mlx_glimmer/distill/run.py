@@ -36,7 +36,7 @@ from .data import (
 )
 from .evaluate import heldout_acceptance
 from .features import choose_feature_source
-from .prompts import FOLLOW_UPS, build_prompt_set
+from .prompts import FOLLOW_UPS, build_prompt_set, more_self_instructed
 from .step import TrainConfig
 from .train import Trainer, context_layer_ids, training_sequences
 
@@ -47,28 +47,45 @@ def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") 
     return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads, dtype=dtype)
 
 
-def training_prompts(args, answer: Answerer, tokenizer, heldout: list[str], data_dir: Path) -> list[str]:
-    """The prompt list, frozen to `data_dir/prompts.jsonl` on first use so a resumed run sees the same indices."""
+def training_prompts(args, answer: Answerer | None, tokenizer, heldout: list[str], data_dir: Path) -> list[str]:
+    """The prompt list, frozen to `data_dir/prompts.jsonl` on first use so a resumed run sees the same indices.
+    A synth run resumed with a larger `--self-instruct` grows it: the new self-written prompts are appended, so
+    every answer already there keeps its index (`answer` None, as with --train-only: the list as it is)."""
     frozen = data_dir / "prompts.jsonl"
     if frozen.is_file():
-        return load_prompts(frozen)
+        prompts = load_prompts(frozen)
+        if args.prompts == "synth" and args.self_instruct and answer is not None:
+            added = more_self_instructed(prompts, self_written(args, answer, tokenizer, data_dir), heldout)
+            if added:
+                write_prompt_list(frozen, frozen.read_text(), added)
+                print(f"[data] grew the prompt set by {len(added)} self-written prompts -> {frozen}", file=sys.stderr)
+            prompts += [it["prompt"] for it in added]
+        return prompts
     if args.prompts != "synth":
         return load_prompts(Path(args.prompts))
-    own = []
-    if args.self_instruct:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False)
-        prefix = tokenizer.encode(text[: text.index("@@")], add_special_tokens=False)
-        own = self_instructions(
-            answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed
-        )
+    own = self_written(args, answer, tokenizer, data_dir) if args.self_instruct else []
     base = [json.loads(line) for line in (DATA_DIR / "prompts_train.jsonl").read_text().splitlines() if line.strip()]
     items = build_prompt_set(base, heldout, seed=args.seed, self_instruct=own)
     data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = frozen.with_suffix(".partial")
-    tmp.write_text("".join(json.dumps(it) + "\n" for it in items))
-    tmp.rename(frozen)
+    write_prompt_list(frozen, "", items)
     print(f"[data] {len(items)} training prompts ({len(own)} self-written requested) -> {frozen}", file=sys.stderr)
     return [it["prompt"] for it in items]
+
+
+def self_written(args, answer: Answerer, tokenizer, data_dir: Path) -> list[str]:
+    """`--self-instruct` requests the target writes itself, kept in `data_dir/instructions.jsonl` (resumed)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False)
+    prefix = tokenizer.encode(text[: text.index("@@")], add_special_tokens=False)
+    return self_instructions(
+        answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed
+    )
+
+
+def write_prompt_list(path: Path, head: str, items: list[dict]) -> None:
+    """`head` (the list's text so far) then `items`, written whole or not at all."""
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(head + "".join(json.dumps(it) + "\n" for it in items))
+    tmp.rename(path)
 
 
 def follow_up_conversations(
@@ -224,17 +241,21 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
             "prompts": len(eval_ids),
             "max_tokens": args.eval_tokens,
             "block_size": 16,
+            "tree": args.eval_tree,
             "sampling": "greedy",
             "chat_template": True,
         },
     )
 
     def evaluate(tr: Trainer) -> float:
-        report = heldout_acceptance(target, tr.model, eval_ids, max_tokens=args.eval_tokens, stop_ids=tok.eos_token_ids)
+        report = heldout_acceptance(
+            target, tr.model, eval_ids, max_tokens=args.eval_tokens, tree=args.eval_tree, stop_ids=tok.eos_token_ids
+        )
         seen = tr.step * config.sequences_per_step
         log["evaluations"] = [e for e in log["evaluations"] if e["step"] != tr.step] + [
             {
                 "step": tr.step,
+                "eval_tree": args.eval_tree,
                 "mean_acceptance": report.mean,
                 "per_prompt": report.per_prompt,
                 "sequences_seen": seen,
@@ -246,7 +267,13 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
         return report.mean
 
     trainer.train(evaluate=evaluate)
-    best = export_best(log["evaluations"], out)
+    same = [e for e in log["evaluations"] if e.get("eval_tree", 0) == args.eval_tree]
+    if log["evaluations"] and not same:
+        shapes = sorted({e.get("eval_tree", 0) for e in log["evaluations"]})
+        raise GlimmerError(
+            f"distill: {out}'s checkpoints were evaluated with --eval-tree {shapes}, not {args.eval_tree}"
+        )
+    best = export_best(same, out)
     log["exported"] = best
     log_path.write_text(json.dumps(log, indent=2))
     print(
