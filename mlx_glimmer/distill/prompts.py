@@ -333,11 +333,7 @@ def build_prompt_set(
 ) -> list[dict]:
     """Shipped + templated + self-instructed prompts, deduplicated, shuffled, with held-out overlap removed."""
     rng = random.Random(seed)
-    items = (
-        list(base)
-        + templated_prompts(rng)
-        + [{"prompt": p, "kind": "self"} for p in self_instruct if is_instruction(p)]
-    )
+    items = list(base) + templated_prompts(rng) + self_instructed(self_instruct)
     keep = heldout_filter(heldout)
     items = [it for it in dedupe(items) if keep(it["prompt"])]
     rng.shuffle(items)
@@ -348,5 +344,13 @@ def more_self_instructed(existing: list[str], self_instruct: list[str], heldout:
     """The self-written prompts a frozen prompt list grows by: those `build_prompt_set` would keep that the list
     does not hold yet, in the order written (so growing twice to the same count appends nothing)."""
     keep, have = heldout_filter(heldout), {normalise(p) for p in existing}
-    items = dedupe([{"prompt": p, "kind": "self"} for p in self_instruct if is_instruction(p)])
-    return [it for it in items if normalise(it["prompt"]) not in have and keep(it["prompt"])]
+    return [
+        it
+        for it in dedupe(self_instructed(self_instruct))
+        if normalise(it["prompt"]) not in have and keep(it["prompt"])
+    ]
+
+
+def self_instructed(texts: list[str]) -> list[dict]:
+    """The target's own requests that look like one (`is_instruction`), as prompt-set items."""
+    return [{"prompt": p, "kind": "self"} for p in texts if is_instruction(p)]
