@@ -85,6 +85,17 @@ def test_answers_resume_after_an_interrupted_append(resumed):
     assert log["answers"] == 12 and (run / "drafter" / "model.safetensors").is_file()
 
 
+def test_the_torch_generator_writes_the_greedy_answers_mlx_lm_writes(checkpoints, answered, tmp_path):
+    answers, prompt_files = answered
+    run = tmp_path / "run"
+    flags = [*ANSWER_FLAGS[2:-2], "--temperatures", "0", "--generator", "torch", "--batch-size", 4, "--data-only"]
+    made = distill(checkpoints["llama"], "--out", run, *prompt_files, *flags)
+    assert made.returncode == 0, made.stderr
+    greedy = sorted((r["index"], r["response_ids"]) for r in records(answers) if r["tag"] == "greedy")
+    assert sorted((r["index"], r["response_ids"]) for r in records(run)) == greedy
+    assert "[data greedy] 6/6 prompts" in made.stderr
+
+
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkpoints, answered, tmp_path, backend):
     if backend == "torch":

@@ -21,7 +21,7 @@ class WritesNumberedRequests:
     def __call__(self, prompts, *, max_tokens, temperature, seed):
         texts = [f"Please tell me three things about object number {self.written + k}." for k in range(len(prompts))]
         self.written += len(prompts)
-        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return enumerate(self.tokenizer.encode(t, add_special_tokens=False) for t in texts)
 
 
 def synth_args(count: int) -> SimpleNamespace:
@@ -59,7 +59,7 @@ def test_a_grown_list_leaves_out_requests_that_touch_the_heldout_set_or_repeat_o
     class Repeats(WritesNumberedRequests):
         def __call__(self, prompts, *, max_tokens, temperature, seed):
             texts = ["Explain how photosynthesis works in simple terms.", "Name two rivers in Africa, please."]
-            return [self.tokenizer.encode(texts[k % 2], add_special_tokens=False) for k in range(len(prompts))]
+            return enumerate(self.tokenizer.encode(texts[k % 2], add_special_tokens=False) for k in range(len(prompts)))
 
     first = training_prompts(synth_args(1), Repeats(tokenizer), tokenizer, HELDOUT, tmp_path)
     grown = training_prompts(synth_args(4), Repeats(tokenizer), tokenizer, HELDOUT, tmp_path)

@@ -96,7 +96,12 @@ def add_distill_parser(sub) -> None:
         help="comma-separated answer temperatures (finite, >= 0); one pass each (default 0)",
     )
     p.add_argument("--answer-tokens", type=positive_int, default=160, help="max tokens per answer (default 160)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="answers generated per batch (default 32)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=128,
+        help="answers generated at once: the torch generator's slots, mlx-lm's batch (default 128)",
+    )
     p.add_argument(
         "--layers",
         type=positive_int,

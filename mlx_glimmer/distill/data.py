@@ -1,13 +1,14 @@
-"""Self-distillation data: the target's own answers to a prompt set, generated in batches.
+"""Self-distillation data: the target's own answers to a prompt set, many generated at once.
 
-Answers are appended to a JSONL file one batch at a time, so an interrupted
+Each answer is appended to a JSONL file as soon as it ends, so an interrupted
 run resumes where it stopped (conversations already answered under a tag are
-skipped). Two batched generators sit behind one `Answerer` protocol, both thin
-wrappers over their library's own batched generation:
+skipped). Two generators sit behind one `Answerer` protocol:
 
-- `MLXAnswerer`: mlx-lm's `batch_generate` (the fast one on Apple silicon);
-- `TorchAnswerer`: transformers' `generate` on the same weights, dequantized
-  from the bundle (the faster of the two on a Linux CPU).
+- `MLXAnswerer`: mlx-lm's `batch_generate` (the fast one on Apple silicon), a
+  group of prompts at a time;
+- `TorchAnswerer`: the same weights, dequantized from the bundle, on torch
+  (`torch_backend.slots`: a fixed number of slots, each refilled with the next
+  prompt as its answer ends; the faster of the two on a Linux CPU).
 
 A record is `{"index", "tag", "prompt_ids", "response_ids"}`; `response_ids`
 ends with the stop token when the target emitted one (the drafter learns to
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +30,11 @@ from ..errors import GlimmerError
 
 
 class Answerer(Protocol):
-    def __call__(self, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
-        """One continuation per prompt (token ids, stop token included when reached)."""
+    def __call__(
+        self, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int
+    ) -> Iterator[tuple[int, list[int]]]:
+        """Each prompt's continuation (token ids, stop token included when reached) with its position in
+        `prompts`, as each is done."""
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -84,31 +89,34 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def cut_at_stop(ids: list[int], stop_ids) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in stop_ids:
-            return ids[: i + 1]
-    return ids
-
-
 class MLXAnswerer:
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    """mlx-lm's `batch_generate` over `group` prompts at a time (it batches within the group itself); each
+    group's answers come when the group ends."""
+
+    def __init__(self, model, tokenizer, group: int = 128):
+        self.model, self.tokenizer, self.group = model, tokenizer, group
 
     def __call__(self, prompts, *, max_tokens, temperature, seed):
         from mlx_lm import batch_generate
         from mlx_lm.sample_utils import make_sampler
 
-        mx.random.seed(seed)
         kwargs = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
-        result = batch_generate(
-            self.model, self.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs
-        )
-        return [[int(t) for t in ids] for ids in result.token_ids]
+        for start in range(0, len(prompts), self.group):
+            mx.random.seed(seed + start)
+            result = batch_generate(
+                self.model,
+                self.tokenizer,
+                prompts[start : start + self.group],
+                max_tokens=max_tokens,
+                return_token_ids=True,
+                **kwargs,
+            )
+            for k, ids in enumerate(result.token_ids):
+                yield start + k, [int(t) for t in ids]
 
 
 class TorchAnswerer:
-    """transformers' `generate` with left padding; weights from the bundle, on the CPU unless told.
+    """`torch_backend.slots` on the bundle's weights, on the CPU unless told: `slots` answers at once.
 
     `dtype` "bfloat16" runs the target in bfloat16 (faster on a CPU with AVX-512 bf16/AMX; docs/distill.md):
     the answers are then the bfloat16 target's, which agree with float32 greedy token by token at first but
@@ -116,41 +124,27 @@ class TorchAnswerer:
     """
 
     def __init__(
-        self, target_path: Path, stop_ids, *, threads: int | None = None, device: str = "cpu", dtype: str = "float32"
+        self,
+        target_path: Path,
+        stop_ids,
+        *,
+        slots: int = 128,
+        threads: int | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
     ):
         import torch
 
         from ..torch_backend.loading import load_torch
+        from ..torch_backend.slots import SlotGenerator
 
         if threads:
             torch.set_num_threads(threads)
         pair = load_torch(target=target_path, use_drafter=False, device=device, dtype=getattr(torch, dtype))
-        self.model, self.device = pair.target.model, pair.device
-        self.stop_ids = set(int(t) for t in stop_ids)
-        self.pad = min(self.stop_ids)
+        self.generator = SlotGenerator(pair.target, stop_ids, slots=slots)
 
     def __call__(self, prompts, *, max_tokens, temperature, seed):
-        import torch
-
-        torch.manual_seed(seed)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in prompts], device=self.device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        sampling = (
-            {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
-            if temperature > 0
-            else {"do_sample": False}
-        )
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=attention,
-                max_new_tokens=max_tokens,
-                eos_token_id=sorted(self.stop_ids),
-                pad_token_id=self.pad,
-                **sampling,
-            )
-        return [cut_at_stop(row[width:].tolist(), self.stop_ids) for row in out]
+        return self.generator.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
 def generate_responses(
@@ -159,7 +153,6 @@ def generate_responses(
     prompts: list[str | list[dict]],
     out_path: Path,
     *,
-    batch_size: int = 32,
     max_tokens: int = 160,
     temperature: float = 0.0,
     seed: int = 0,
@@ -168,8 +161,8 @@ def generate_responses(
 ) -> list[dict]:
     """Answer every prompt not yet in `out_path` (matched by index and tag); return all records.
 
-    Prompts are answered in order of length within windows of 8 batches, so a
-    batch pads little; each batch is appended as soon as it is done.
+    Prompts go to the generator in order of length within windows of 512, so prompts prefilled together pad
+    little; each answer is appended as soon as it ends.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,23 +170,25 @@ def generate_responses(
     done = {(r["index"], r["tag"]) for r in read_records(out_path)}
     todo = [i for i in range(len(prompts)) if (i, tag) not in done]
     encoded = {i: chat_prompt_ids(tokenizer, prompts[i]) for i in todo}
-    window = 8 * batch_size
+    window = 512
     todo = [i for s in range(0, len(todo), window) for i in sorted(todo[s : s + window], key=lambda i: len(encoded[i]))]
-    tic, produced = time.perf_counter(), 0
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        ids = [encoded[i] for i in batch]
-        responses = answer(ids, max_tokens=max_tokens, temperature=temperature, seed=seed + start)
-        with out_path.open("a") as f:
-            for i, p_ids, r_ids in zip(batch, ids, responses):
-                f.write(json.dumps({"index": i, "tag": tag, "prompt_ids": p_ids, "response_ids": r_ids}) + "\n")
-                produced += len(r_ids)
-        rate = produced / (time.perf_counter() - tic)
-        print(
-            f"[data {tag}] {min(start + batch_size, len(todo))}/{len(todo)} prompts, {produced} tokens, {rate:.1f} tok/s",
-            file=log,
-            flush=True,
-        )
+    tic = last_report = time.perf_counter()
+    produced = 0
+    with out_path.open("a") as f:
+        answers = answer([encoded[i] for i in todo], max_tokens=max_tokens, temperature=temperature, seed=seed)
+        for n, (k, r_ids) in enumerate(answers, 1):
+            i = todo[k]
+            f.write(json.dumps({"index": i, "tag": tag, "prompt_ids": encoded[i], "response_ids": r_ids}) + "\n")
+            f.flush()
+            produced += len(r_ids)
+            now = time.perf_counter()
+            if now - last_report >= 10 or n == len(todo):
+                last_report = now
+                print(
+                    f"[data {tag}] {n}/{len(todo)} prompts, {produced} tokens, {produced / (now - tic):.1f} tok/s",
+                    file=log,
+                    flush=True,
+                )
     return read_records(out_path)
 
 
@@ -204,7 +199,7 @@ def self_instructions(
     out_path: Path,
     *,
     count: int,
-    batch_size: int = 64,
+    batch_size: int = 128,
     max_tokens: int = 64,
     seed: int = 0,
     log=sys.stderr,
@@ -219,8 +214,9 @@ def self_instructions(
     have = [r["prompt"] for r in read_records(out_path)]
     while len(have) < count:
         n = min(batch_size, count - len(have))
-        outs = answer([prefix_ids] * n, max_tokens=max_tokens, temperature=1.0, seed=seed + len(have))
-        texts = [tokenizer.decode([t for t in ids if t not in tokenizer.eos_token_ids]).strip() for ids in outs]
+        outs = dict(answer([prefix_ids] * n, max_tokens=max_tokens, temperature=1.0, seed=seed + len(have)))
+        stop = set(tokenizer.eos_token_ids)
+        texts = [tokenizer.decode([t for t in outs[k] if t not in stop]).strip() for k in range(n)]
         with out_path.open("a") as f:
             for t in texts:
                 f.write(json.dumps({"prompt": t}) + "\n")

@@ -41,10 +41,16 @@ from .step import TrainConfig
 from .train import Trainer, context_layer_ids, training_sequences
 
 
-def make_answerer(kind: str, pair, threads: int | None, dtype: str = "float32") -> Answerer:
-    if pick_backend(kind, "--generator") == "mlx":
-        return MLXAnswerer(pair.target.model, pair.tokenizer)
-    return TorchAnswerer(pair.target_path, pair.tokenizer.eos_token_ids, threads=threads, dtype=dtype)
+def make_answerer(args, pair) -> Answerer:
+    if pick_backend(args.generator, "--generator") == "mlx":
+        return MLXAnswerer(pair.target.model, pair.tokenizer, group=args.batch_size)
+    return TorchAnswerer(
+        pair.target_path,
+        pair.tokenizer.eos_token_ids,
+        slots=args.batch_size,
+        threads=args.gen_threads,
+        dtype=args.gen_dtype,
+    )
 
 
 def training_prompts(args, answer: Answerer | None, tokenizer, heldout: list[str], data_dir: Path) -> list[str]:
@@ -141,7 +147,7 @@ def answered_records(args, pair, temps: list[float], heldout: list[str], data_di
     `data_dir/responses.jsonl` where missing: the records the run trains on."""
     tok = pair.tokenizer
     data = data_dir / "responses.jsonl"
-    answer = None if args.train_only else make_answerer(args.generator, pair, args.gen_threads, args.gen_dtype)
+    answer = None if args.train_only else make_answerer(args, pair)
     train_prompts = training_prompts(args, answer, tok, heldout, data_dir)[: args.max_prompts]
     tags = []
     for i, t in enumerate(temps):
@@ -153,7 +159,6 @@ def answered_records(args, pair, temps: list[float], heldout: list[str], data_di
             tok,
             train_prompts,
             data,
-            batch_size=args.batch_size,
             max_tokens=args.answer_tokens,
             temperature=t,
             seed=args.seed + 1000 * i,
@@ -168,7 +173,6 @@ def answered_records(args, pair, temps: list[float], heldout: list[str], data_di
             tok,
             follow_up_conversations(first, train_prompts, tok, args.follow_ups, args.seed),
             data,
-            batch_size=args.batch_size,
             max_tokens=args.answer_tokens,
             temperature=temps[0],
             seed=args.seed + 999,
