@@ -15,7 +15,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def torch_targets(checkpoints):
-    return {name: load_torch(target=checkpoints[name], use_drafter=False, device="cpu").target for name in ("muse", "llama")}
+    return {
+        name: load_torch(target=checkpoints[name], use_drafter=False, device="cpu").target for name in ("muse", "llama")
+    }
 
 
 def plain(target, prompt, max_tokens, stop_ids):
@@ -71,5 +73,7 @@ def test_a_bfloat16_target_keeps_its_slots_apart(checkpoints):
     target = load_torch(target=checkpoints["llama"], use_drafter=False, device="cpu", dtype=torch.bfloat16).target
     prompts = prompts_of(4, seed=3)
     together = dict(SlotGenerator(target, set(), slots=4).generate(prompts, max_tokens=10))
-    alone = {i: dict(SlotGenerator(target, set(), slots=1).generate([p], max_tokens=10))[0] for i, p in enumerate(prompts)}
+    alone = {
+        i: dict(SlotGenerator(target, set(), slots=1).generate([p], max_tokens=10))[0] for i, p in enumerate(prompts)
+    }
     assert together == alone
