@@ -106,6 +106,32 @@ def test_a_killed_feature_pass_resumes_where_it_saved_and_ends_with_the_same_fea
         np.testing.assert_array_equal(again.get(i), whole.get(i))
 
 
+def test_a_store_of_fewer_answers_grows_and_computes_only_the_new_ones(llama_pair, records, tmp_path):
+    sequences = training_sequences(records)
+    whole = FeatureStore(tmp_path / "whole", llama_pair.target, sequences, LAYERS, teacher=True)
+    whole.ensure(log=io.StringIO())
+    first = FeatureStore(tmp_path / "grown", llama_pair.target, sequences[:4], LAYERS, teacher=True)
+    first.ensure(log=io.StringIO())
+    kept = [np.array(first.get(i)) for i in range(4)]
+
+    seen = []
+
+    class Counts(MLXFeatures):
+        def __call__(self, batch):
+            seen.extend(batch)
+            return super().__call__(batch)
+
+    grown = FeatureStore(tmp_path / "grown", llama_pair.target, sequences, LAYERS, Counts(llama_pair.target), True)
+    assert grown.done == 4
+    grown.ensure(log=io.StringIO())
+    assert seen == sequences[4:]
+    assert all(np.array_equal(grown.get(i), kept[i]) for i in range(4))  # kept as stored, not recomputed
+    for i in range(len(sequences)):  # batched with other sequences than in `whole`: rounded a little apart
+        np.testing.assert_allclose(grown.get(i).astype(np.float32), whole.get(i).astype(np.float32), atol=2e-2)
+        np.testing.assert_allclose(grown.final_hidden(i), whole.final_hidden(i), atol=2e-2)
+    assert FeatureStore(tmp_path / "grown", llama_pair.target, sequences[::-1], LAYERS).done == 0  # other answers
+
+
 def train(llama_pair, records, run, **kw):
     cfg = TrainConfig(
         layers=1,

@@ -141,7 +141,10 @@ class TorchAnswerer:
         if threads:
             torch.set_num_threads(threads)
         pair = load_torch(target=target_path, use_drafter=False, device=device, dtype=getattr(torch, dtype))
-        self.generator = SlotGenerator(pair.target, stop_ids, slots=slots)
+        try:
+            self.generator = SlotGenerator(pair.target, stop_ids, slots=slots)
+        except ValueError as e:
+            raise GlimmerError(f"distill --generator torch: {e}; --generator mlx answers with mlx-lm") from None
 
     def __call__(self, prompts, *, max_tokens, temperature, seed):
         return self.generator.generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)

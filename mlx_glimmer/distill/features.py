@@ -12,7 +12,10 @@ computed once, in order, and stored as one float16 memmap:
 
 Disk bound: tokens x k x H x 2 bytes (SmolLM2 with 5 context layers: 5.8 KB
 per token, 8.6 GB for 1.5M tokens); memory: one chunk of sequences at a time
-(the OS pages the memmap). Interrupted runs resume at the first chunk not done.
+(the OS pages the memmap). Interrupted runs resume at the first chunk not done. A
+run whose answers grew (new records are appended, so the old sequences are a
+prefix of the new list) keeps the features it has: the files are extended and
+only the new sequences are computed.
 
 Who computes them is a `FeatureSource`: the MLX target (`MLXFeatures`, float32, what the drafter
 sees at inference) or the same weights on torch (`TorchFeatures`, float32 or bfloat16), each several
@@ -192,15 +195,23 @@ def pick_feature_source(
 
 
 def stored_meta(directory: Path, lengths: list[int], layer_ids: list[int]) -> dict | None:
-    """The store's record (features.json) when `directory` holds features of these sequences at these layers,
-    else None."""
+    """The store's record (features.json) when `directory` holds features of these sequences, or of the first
+    of them, at these layers, else None."""
     meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
     if not meta_path.is_file() or not data_path.is_file():
         return None
     meta = json.loads(meta_path.read_text())
-    if meta.get("layer_ids") != list(layer_ids) or meta.get("lengths") != list(lengths):
+    stored = meta.get("lengths") or []
+    if meta.get("layer_ids") != list(layer_ids) or stored != list(lengths[: len(stored)]):
         return None
     return meta
+
+
+def extend_file(path: Path, size: int) -> None:
+    """Grow a file to `size` bytes (the new bytes read as zeros until written)."""
+    if path.is_file() and path.stat().st_size < size:
+        with path.open("r+b") as f:
+            f.truncate(size)
 
 
 def stored_sequences(
@@ -272,6 +283,9 @@ class FeatureStore:
         rows = max(int(self.offsets[-1]), 1)
         self.directory.mkdir(parents=True, exist_ok=True)
         mode = "r+" if self.data_path.exists() and self.done else "w+"
+        if mode == "r+":  # the answers may have grown since: room for the new sequences
+            extend_file(self.data_path, rows * self.width * 2)
+            extend_file(self.directory / "teacher.f16", rows * target.hidden_size * 2)
         self.data = np.memmap(self.data_path, dtype=np.float16, mode=mode, shape=(rows, self.width))
         self.hidden = (
             np.memmap(self.directory / "teacher.f16", dtype=np.float16, mode=mode, shape=(rows, target.hidden_size))
