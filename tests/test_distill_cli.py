@@ -135,6 +135,26 @@ def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_fil
     assert all(mx.array_equal(at_zero[k], v.astype(mx.float32)) for k, v in init.items() if k != "draft_vocab")
 
 
+def test_a_second_training_run_in_its_own_train_dir_shares_the_answers_and_features(
+    checkpoints, prompt_files, resumed, tmp_path
+):
+    first, _, done = resumed
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    kept = {p: p.read_bytes() for p in (run / "features" / "features.json", run / "log.json")}
+    kept |= {p: p.read_bytes() for p in (run / "drafter").iterdir()}
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--init", run / "drafter", "--steps", 2]
+    flags += ["--temperatures", "0,0.8"]  # the first run's answers
+    second = distill(checkpoints["llama"], *prompt_files, "--out", run, "--train-dir", run / "more", *flags)
+    assert second.returncode == 0, second.stderr
+    assert "features (" not in second.stderr  # nothing computed again
+    assert all(p.read_bytes() == b for p, b in kept.items())  # the first training's outputs are left alone
+    log = json.loads((run / "more" / "log.json").read_text())
+    assert [e["step"] for e in log["evaluations"]] == [0, 2]
+    assert (run / "more" / "drafter" / "model.safetensors").is_file() and not (run / "more" / "features").exists()
+
+
 def test_a_run_can_pick_its_checkpoint_on_a_draft_tree_and_never_compares_across_shapes(
     checkpoints, answered, tmp_path
 ):
@@ -155,7 +175,14 @@ def test_a_run_can_pick_its_checkpoint_on_a_draft_tree_and_never_compares_across
 def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt_files, tmp_path):
     both = distill(checkpoints["llama"], "--out", tmp_path / "a", *prompt_files, "--data-only", "--train-only")
     nothing = distill(checkpoints["llama"], "--out", tmp_path / "b", *prompt_files, "--train-only")
-    for proc, needle in ((both, "--data-only and --train-only"), (nothing, "responses.jsonl")):
+    no_training = distill(
+        checkpoints["llama"], "--out", tmp_path / "c", *prompt_files, "--data-only", "--train-dir", tmp_path / "d"
+    )
+    for proc, needle in (
+        (both, "--data-only and --train-only"),
+        (nothing, "responses.jsonl"),
+        (no_training, "--data-only trains nothing"),
+    ):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
             proc.stderr

@@ -54,6 +54,12 @@ def add_distill_parser(sub) -> None:
         help="run directory (data, checkpoints, exported drafter); made once the flags check out",
     )
     p.add_argument(
+        "--train-dir",
+        default=None,
+        help="where training writes its checkpoints, log.json and drafter (default: OUT); the answers and features "
+        "stay in OUT, so several training runs (another --init, more steps on grown answers) share them",
+    )
+    p.add_argument(
         "--prompts",
         default=str(DATA_DIR / "prompts_train.jsonl"),
         help="training prompts (JSONL with 'prompt'), or 'synth': the shipped prompts plus templated families plus "
@@ -273,6 +279,10 @@ def check_distill_flags(args) -> None:
         raise GlimmerError(f"distill: --out {out}: exists and is not a directory")
     if args.data_only and args.train_only:
         raise GlimmerError("distill: --data-only and --train-only exclude each other")
+    if args.train_dir is not None and args.data_only:
+        raise GlimmerError("distill: --train-dir names where training writes, and --data-only trains nothing")
+    if args.train_dir is not None and Path(args.train_dir).exists() and not Path(args.train_dir).is_dir():
+        raise GlimmerError(f"distill: --train-dir {args.train_dir}: exists and is not a directory")
     if args.train_tags is not None and not all(
         t == "greedy" or t == "followup" or re.fullmatch(r"t\d+(\.\d+)?", t) for t in args.train_tags.split(",")
     ):

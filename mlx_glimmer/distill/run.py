@@ -138,7 +138,7 @@ def cmd_distill(args, open_pair) -> int:
     print(f"[data] {len(records)} answers, {n_tokens} target tokens", file=sys.stderr)
     if args.data_only:
         return 0
-    train_and_export(args, pair, records, n_tokens, heldout, out)
+    train_and_export(args, pair, records, n_tokens, heldout, out, Path(args.train_dir) if args.train_dir else out)
     return 0
 
 
@@ -212,9 +212,11 @@ def train_precision(flag: str) -> str:
     return "bfloat16" if native_bfloat16() else "float32"
 
 
-def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path) -> None:
-    """Train on `records`, evaluating held-out acceptance as it goes (logged to OUT/log.json), and export the
-    best checkpoint to OUT/drafter."""
+def train_and_export(
+    args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path, train_dir: Path
+) -> None:
+    """Train on `records` (their features in OUT/features), evaluating held-out acceptance as it goes (logged to
+    TRAIN_DIR/log.json), and export the best checkpoint to TRAIN_DIR/drafter."""
     target, tok = pair.target, pair.tokenizer
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = train_config(args)
@@ -226,11 +228,14 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
         training_sequences(records),
         context_layer_ids(target, config),
     )
-    trainer = Trainer(target, records, config, out, mask_token_id=mask, feature_source=source)
-    if trainer.resume(out / "checkpoint"):
+    train_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        target, records, config, train_dir, mask_token_id=mask, feature_source=source, features_dir=out / "features"
+    )
+    if trainer.resume(train_dir / "checkpoint"):
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
     eval_ids = [chat_prompt_ids(tok, p) for p in heldout[: args.eval_prompts]]
-    log_path = out / "log.json"
+    log_path = train_dir / "log.json"
     log = json.loads(log_path.read_text()) if log_path.is_file() else {"evaluations": []}
     log.update(
         command=" ".join(sys.argv),
@@ -275,13 +280,13 @@ def train_and_export(args, pair, records: list[dict], n_tokens: int, heldout: li
     if log["evaluations"] and not same:
         shapes = sorted({e.get("eval_tree", 0) for e in log["evaluations"]})
         raise GlimmerError(
-            f"distill: {out}'s checkpoints were evaluated with --eval-tree {shapes}, not {args.eval_tree}"
+            f"distill: {train_dir}'s checkpoints were evaluated with --eval-tree {shapes}, not {args.eval_tree}"
         )
-    best = export_best(same, out)
+    best = export_best(same, train_dir)
     log["exported"] = best
     log_path.write_text(json.dumps(log, indent=2))
     print(
-        f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {out / 'drafter'}",
+        f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {train_dir / 'drafter'}",
         file=sys.stderr,
     )
 

@@ -230,6 +230,7 @@ class Trainer:
         *,
         mask_token_id: int,
         feature_source: FeatureSource | None = None,
+        features_dir: Path | None = None,
         log=sys.stderr,
     ):
         self.target = target
@@ -256,7 +257,7 @@ class Trainer:
         if not 0.0 <= config.soft_labels <= 1.0:
             raise GlimmerError(f"soft_labels: {config.soft_labels} is not in [0, 1]")
         self.features = FeatureStore(
-            self.out_dir / "features",
+            Path(features_dir) if features_dir is not None else self.out_dir / "features",
             target,
             self.sequences,
             self.drafter_config.target_layer_ids,
