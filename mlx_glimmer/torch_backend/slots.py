@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .target import TorchTarget
+from .target import TorchTarget, layer_masks
 
 
 class SlotCache:
@@ -71,22 +71,10 @@ class SlotCache:
         return keys[:, :, : self.span], values[:, :, : self.span]
 
 
-def additive_masks(target: TorchTarget, seen: torch.Tensor, distance: torch.Tensor):
-    """The decoder's attention mask from which keys each query may see (`seen`, [rows, queries, keys]) and how far
-    back each key lies (`distance`): one 4D additive mask, or one per layer type where some layers slide."""
-    dtype = target.activation_dtype
-    zero = torch.zeros((), dtype=dtype, device=seen.device)
-
-    def additive(visible):
-        return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
-
-    kinds = set(getattr(target.config, "layer_types", None) or ())
-    if "sliding_attention" not in kinds:
-        return additive(seen)
-    masks = {"sliding_attention": additive(seen & (distance < int(target.config.sliding_window)))}
-    if "full_attention" in kinds:
-        masks["full_attention"] = additive(seen)
-    return masks
+def slot_masks(target: TorchTarget, seen: torch.Tensor, distance: torch.Tensor):
+    """`layer_masks` from which keys each query may see (`seen`, [rows, queries, keys]) and how far back each key
+    lies (`distance`)."""
+    return layer_masks(target, lambda window: seen if window is None else seen & (distance < window))
 
 
 class SlotGenerator:
@@ -156,7 +144,7 @@ class SlotGenerator:
                 seen = (steps[None, :] <= steps[:, None]).expand(len(take), width, width)
                 distance = (steps[:, None] - steps[None, :]).expand(len(take), width, width)
                 cache.prefill(torch.tensor(rows, device=self.device), width)
-                hidden = self._forward(cache, ids, positions, additive_masks(self.target, seen, distance))
+                hidden = self._forward(cache, ids, positions, slot_masks(self.target, seen, distance))
                 ends = torch.tensor([len(prompts[i]) - 1 for i in take], device=self.device)
                 firsts = self._pick(hidden[torch.arange(len(take)), ends], temperature, generator)
                 for slot, index, token in zip(rows, take, firsts):
@@ -179,7 +167,7 @@ class SlotGenerator:
             distance = (length[:, None] - keys[None, :])[:, None]
             cache.decode(length, span)
             ids = torch.tensor(last, device=self.device)[:, None]
-            hidden = self._forward(cache, ids, length[:, None], additive_masks(self.target, seen, distance))
+            hidden = self._forward(cache, ids, length[:, None], slot_masks(self.target, seen, distance))
             length += torch.tensor([o is not None for o in owner], device=self.device)
             tokens = self._pick(hidden[:, 0], temperature, generator)
             for slot, token in enumerate(tokens):

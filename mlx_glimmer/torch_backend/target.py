@@ -58,6 +58,24 @@ def tree_refusal(decoder) -> str | None:
     return None
 
 
+def layer_masks(target, visible):
+    """The decoder's attention mask from `visible(window)` (which keys each query sees, bool [rows, queries,
+    keys], window None for full attention): one 4D additive mask, or, where some layers slide, one per layer
+    type, so sliding layers see only their window."""
+    dtype = target.activation_dtype
+
+    def additive(seen: torch.Tensor) -> torch.Tensor:
+        return torch.where(seen, torch.zeros((), dtype=dtype, device=seen.device), torch.finfo(dtype).min)[:, None]
+
+    kinds = set(getattr(target.config, "layer_types", None) or ())
+    if "sliding_attention" not in kinds:
+        return additive(visible(None))
+    masks = {"sliding_attention": additive(visible(int(target.config.sliding_window)))}
+    if "full_attention" in kinds:
+        masks["full_attention"] = additive(visible(None))
+    return masks
+
+
 class TorchTarget:
     sampling = torch_sampling
     memory = NO_MEMORY  # wired limits and clear_cache are MLX-on-Metal settings
@@ -152,21 +170,12 @@ class TorchTarget:
         cache holds at most `window - 1` positions when a forward starts (`forward` crops by 0 first)."""
         if self.tree_unsupported is not None:
             raise ValueError(self.tree_unsupported)
-        dtype = self.activation_dtype
-
-        def additive(before: int, window: int | None) -> torch.Tensor:
-            seen = self.trees.attention_mask(tree, before, window)
-            zero = torch.zeros((), dtype=dtype, device=self.device)
-            return torch.where(seen, zero, torch.finfo(dtype).min)[None, None]
-
-        kinds = set(getattr(self.config, "layer_types", None) or ())
-        if "sliding_attention" not in kinds:
-            return additive(past, None)
-        window = int(self.config.sliding_window)
-        masks = {"sliding_attention": additive(min(past, window - 1), window)}
-        if "full_attention" in kinds:
-            masks["full_attention"] = additive(past, None)
-        return masks
+        return layer_masks(
+            self,
+            lambda window: self.trees.attention_mask(tree, past if window is None else min(past, window - 1), window)[
+                None
+            ],
+        )
 
     def tokens(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, dtype=torch.long, device=self.device)
