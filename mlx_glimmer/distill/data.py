@@ -215,10 +215,10 @@ def self_instructions(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     drop_partial_line(out_path)
     have = [r["prompt"] for r in read_records(out_path)]
+    stop = set(tokenizer.eos_token_ids)
     while len(have) < count:
         n = min(batch_size, count - len(have))
         outs = dict(answer([prefix_ids] * n, max_tokens=max_tokens, temperature=1.0, seed=seed + len(have)))
-        stop = set(tokenizer.eos_token_ids)
         texts = [tokenizer.decode([t for t in outs[k] if t not in stop]).strip() for k in range(n)]
         with out_path.open("a") as f:
             for t in texts:
