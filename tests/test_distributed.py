@@ -147,8 +147,13 @@ class SplitServer:
 
     def __init__(self, command: list, timeout: float):
         cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(loopback_ports(2)), "--"]
+        # Ctrl-C as from a terminal: not ignored, as it is in a shell's background job (where this suite may run)
         self.proc = subprocess.Popen(
-            [*cmd, *map(str, command)], stderr=subprocess.PIPE, text=True, start_new_session=True
+            [*cmd, *map(str, command)],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.log: list[str] = []
         self.lines: queue.Queue = queue.Queue()

@@ -141,11 +141,12 @@ def cmd_serve(args, open_pair) -> int:
     except KeyboardInterrupt:  # Ctrl-C, re-raised once the server has shut down
         if group is None:
             raise
-        # The followers stop too, and rank 0 exits cleanly: the launcher ends every process as soon as one
-        # exits non-zero, which would cut theirs short.
-        lockstep.stop()
-        print("mlx-glimmer serve: interrupted; every process stopped", file=sys.stderr)
-        return 0
-    # On a failure rank 0 exits non-zero instead, and the launcher ends the others wherever they wait.
+    # uvicorn re-raises the signal it stopped on only where its disposition was the default: a process started
+    # with Ctrl-C ignored (a shell's background job) stops on it just the same but returns here. Either way rank
+    # 0 stops the followers and exits cleanly, since the launcher ends every process as soon as one exits
+    # non-zero, which would cut theirs short. On a failure rank 0 exits non-zero instead, and the launcher ends
+    # the others wherever they wait.
     lockstep.stop()
+    if group is not None:
+        print("mlx-glimmer serve: stopped; every process stopped", file=sys.stderr)
     return 0
