@@ -119,6 +119,18 @@ def test_train_only_uses_the_answers_there_and_exports_a_lossless_drafter(checkp
     )
 
 
+def test_online_features_train_and_export_with_no_feature_store(checkpoints, answered, tmp_path):
+    answers, prompt_files = answered
+    run = tmp_path / "run"
+    shutil.copytree(answers, run)
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 4, "--eval-every", 4]
+    train = distill(checkpoints["llama"], "--out", run, *prompt_files, *flags, "--features", "online")
+    assert train.returncode == 0, train.stderr
+    log = json.loads((run / "log.json").read_text())
+    assert log["features"] == "online" and [e["step"] for e in log["evaluations"]] == [4]
+    assert (run / "drafter" / "model.safetensors").is_file() and not (run / "features").exists()
+
+
 def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_files, resumed, tmp_path):
     run, _, first = resumed  # a whole run: its drafter is the warm start
     assert first.returncode == 0, first.stderr

@@ -1,7 +1,8 @@
 """Training throughput: supervised block positions per second of `distill`'s step, by backend, precision and depth.
 
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
-        [--steps 20] [--rounds 3] [--note TEXT] [--out benchmarks/experiments/results/train_step_rate.json]
+        [--features stored,online] [--steps 20] [--rounds 3] [--note TEXT]
+        [--out benchmarks/experiments/results/train_step_rate.json]
 
 RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
 if a kill cut it short) the steps read, as `distill --train-only` would (default: runs/demo2). Each configuration
@@ -9,6 +10,8 @@ builds the trainer `distill` builds (the recipe's defaults: 4 answers x 64 ancho
 vocabulary, random weights),
 compiles its step for every context width first (`[compile]`, outside the timer, its seconds recorded), then the
 configurations take turns, `--steps` optimiser steps each per round, so that load from elsewhere hits all alike.
+With `--features online` the batch's features are computed as `distill --features online` computes them (by the
+store's source), so each row gives the step alone and the step with the making of its batch.
 The BLAS is loaded as `distill` loads it (torch first, then OpenBLAS for MLX). The results file names the CPU, its
 flags that decide the precision, and the precision `--train-precision auto` picks here. Run it with nothing else
 running, or say in `--note` what ran.
@@ -33,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("run", nargs="?", default=str(ROOT / "runs" / "demo2"), help="a distill run (default runs/demo2)")
     ap.add_argument("--layers", default="2,4", help="drafter depths, comma-separated")
     ap.add_argument("--configs", default="torch:bfloat16,torch:float32", help="backend:precision, comma-separated")
+    ap.add_argument("--features", default="stored", help="stored and/or online, comma-separated")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the results file")
@@ -70,30 +74,46 @@ def main(argv=None) -> int:
     trainers, compile_s = {}, {}
     for layers in [int(x) for x in args.layers.split(",")]:
         for spec in args.configs.split(","):
-            backend, _, precision = spec.partition(":")
-            config = TrainConfig(layers=layers, backend=backend, precision=precision or "float32", steps=10**6)
-            work = Path(tempfile.mkdtemp())
-            (work / "features").symlink_to(features.resolve())
-            trainer = Trainer(pair.target, records, config, work, mask_token_id=mask, feature_source=source)
-            trainer.features.ensure()  # a store cut short by a kill is finished first, as `distill` would
-            name = f"{layers} layers, {spec}"
-            tic = time.perf_counter()
-            trainer.warm_up()
-            trainer.step_fn(trainer.batch(trainer.next_indices()))  # the first real step: allocations, caches
-            compile_s[name] = round(time.perf_counter() - tic, 1)
-            trainers[name] = trainer
+            for mode in args.features.split(","):
+                backend, _, precision = spec.partition(":")
+                config = TrainConfig(layers=layers, backend=backend, precision=precision or "float32", steps=10**6)
+                work = Path(tempfile.mkdtemp())
+                (work / "features").symlink_to(features.resolve())
+                trainer = Trainer(
+                    pair.target,
+                    records,
+                    config,
+                    work,
+                    mask_token_id=mask,
+                    feature_source=source,
+                    online_features=mode == "online",
+                )
+                trainer.features.ensure()  # a store cut short by a kill is finished first, as `distill` would
+                name = f"{layers} layers, {spec}, features {mode}"
+                tic = time.perf_counter()
+                trainer.warm_up()
+                trainer.step_fn(trainer.batch(trainer.next_indices()))  # the first real step: allocations, caches
+                compile_s[name] = round(time.perf_counter() - tic, 1)
+                trainers[name] = trainer
 
-    totals = {name: [0, 0.0] for name in trainers}
+    totals = {name: [0, 0.0, 0.0] for name in trainers}  # positions, step seconds, batch seconds
     for r in range(args.rounds):
         for name, trainer in trainers.items():
             for _ in range(args.steps):
-                batch = trainer.batch(trainer.next_indices())
                 tic = time.perf_counter()
+                batch = trainer.batch(trainer.next_indices())
+                mid = time.perf_counter()
                 trainer.step_fn(batch)
-                totals[name][1] += time.perf_counter() - tic
+                totals[name][1] += time.perf_counter() - mid
+                totals[name][2] += mid - tic
                 totals[name][0] += batch.positions
             rate = totals[name][0] / totals[name][1]
-            print(f"round {r + 1}/{args.rounds} {name}: {rate:.0f} block positions/s", file=sys.stderr, flush=True)
+            whole = totals[name][0] / (totals[name][1] + totals[name][2])
+            print(
+                f"round {r + 1}/{args.rounds} {name}: {rate:.0f} block positions/s, {whole:.0f} with its batch",
+                file=sys.stderr,
+                flush=True,
+            )
 
     rows = [
         {
@@ -101,9 +121,11 @@ def main(argv=None) -> int:
             "steps": args.steps * args.rounds,
             "block_positions_per_second": round(positions / seconds),
             "steps_per_second": round(args.steps * args.rounds / seconds, 3),
+            "block_positions_per_second_with_batch": round(positions / (seconds + batch_s)),
+            "steps_per_second_with_batch": round(args.steps * args.rounds / (seconds + batch_s), 3),
             "compile_seconds": compile_s[name],
         }
-        for name, (positions, seconds) in totals.items()
+        for name, (positions, seconds, batch_s) in totals.items()
     ]
     result = {
         "command": shlex.join(["python", "benchmarks/experiments/train_step_rate.py", *(argv or sys.argv[1:])]),

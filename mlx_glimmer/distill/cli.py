@@ -190,10 +190,19 @@ def add_distill_parser(sub) -> None:
         "Linux when installed, mlx elsewhere",
     )
     p.add_argument(
+        "--features",
+        choices=["stored", "online"],
+        default="stored",
+        help="stored (default): the target's features computed once into OUT/features (2 bytes x hidden size x "
+        "context layers per token, prompts included) and read by every step; online: "
+        "computed for each step's sequences as it draws them and kept nowhere, for answers whose store would not "
+        "fit on the disk, at one target forward of the step's sequences per step",
+    )
+    p.add_argument(
         "--feature-source",
         choices=["auto", "mlx:float32", "torch:float32", "torch:bfloat16"],
         default="auto",
-        help="who computes the target's features (once per run, stored in OUT/features): the MLX target or the "
+        help="who computes the target's features (see --features): the MLX target or the "
         "same weights on torch, several sequences per forward. auto (default): the store's own source when "
         "resuming, else the fastest measured here on a sample of the run's sequences (bfloat16 is timed only "
         "on a CPU with bfloat16 instructions)",

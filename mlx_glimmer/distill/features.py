@@ -343,6 +343,10 @@ class FeatureStore:
             flush=True,
         )
 
+    def rows(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""
+        return [(self.get(i), self.final_hidden(i) if self.hidden is not None else None) for i in indices]
+
     def get(self, i: int) -> np.ndarray:
         if i >= self.done:
             raise IndexError(f"features of sequence {i} are not computed yet")
@@ -355,3 +359,34 @@ class FeatureStore:
         if i >= self.done:
             raise IndexError(f"features of sequence {i} are not computed yet")
         return self.hidden[self.offsets[i] : self.offsets[i + 1]]
+
+
+class OnlineFeatures:
+    """The features of each step's sequences computed when the step draws them, in one call of the source, and
+    kept nowhere. A store holds 2 bytes x hidden size x context layers per token (prompts included), which for a
+    large target or many answers outgrows the disk; this is how the public DFlash recipes train. The price is one
+    target forward of the step's sequences every step, where a store pays it once."""
+
+    def __init__(
+        self,
+        target: Target,
+        sequences: list[list[int]],
+        layer_ids: list[int],
+        source: FeatureSource | None = None,
+        teacher: bool = False,
+    ):
+        self.source = source or MLXFeatures(target)
+        self.sequences = sequences
+        self.layer_ids = list(layer_ids)
+        self.lengths = [len(s) for s in sequences]
+        self.width = len(self.layer_ids) * target.hidden_size
+        self.teacher = teacher
+        self.source.capture(tuple(self.layer_ids))
+
+    def ensure(self, log=sys.stderr) -> None:
+        """Nothing to compute ahead: every step computes its own."""
+
+    def rows(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""
+        out = self.source([self.sequences[i] for i in indices])
+        return [(feats, hidden if self.teacher else None) for feats, hidden in out]

@@ -215,8 +215,9 @@ def train_precision(flag: str) -> str:
 def train_and_export(
     args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path, train_dir: Path
 ) -> None:
-    """Train on `records` (their features in OUT/features), evaluating held-out acceptance as it goes (logged to
-    TRAIN_DIR/log.json), and export the best checkpoint to TRAIN_DIR/drafter."""
+    """Train on `records` (their features in OUT/features, or computed per step with `--features online`),
+    evaluating held-out acceptance as it goes (logged to TRAIN_DIR/log.json), and export the best checkpoint to
+    TRAIN_DIR/drafter."""
     target, tok = pair.target, pair.tokenizer
     mask = args.mask_token if args.mask_token is not None else pick_mask_token(tok)
     config = train_config(args)
@@ -230,7 +231,14 @@ def train_and_export(
     )
     train_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
-        target, records, config, train_dir, mask_token_id=mask, feature_source=source, features_dir=out / "features"
+        target,
+        records,
+        config,
+        train_dir,
+        mask_token_id=mask,
+        feature_source=source,
+        features_dir=out / "features",
+        online_features=args.features == "online",
     )
     if trainer.resume(train_dir / "checkpoint"):
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
@@ -241,6 +249,7 @@ def train_and_export(
         command=" ".join(sys.argv),
         answers=len(records),
         target_tokens=n_tokens,
+        features=args.features,
         draft_vocab=int(trainer.draft_vocab.shape[0]),
         config=vars(config),
         mask_token_id=mask,

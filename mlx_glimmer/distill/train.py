@@ -2,7 +2,7 @@
 
 Per step, `sequences_per_step` answered prompts; for each, the frozen
 target's features at `target_layer_ids` for every position (computed once and
-kept on disk, `features.py`), a random set of `anchors` positions inside the
+kept on disk, or computed as each step draws its sequences: `features.py`), a random set of `anchors` positions inside the
 answer, and one block per anchor: [anchor token, mask x (B-1)] at positions
 a..a+B-1, seeing its own sequence's context before a and its own block (each
 block is a batch row, so blocks never see each other). Loss: cross-entropy of
@@ -49,7 +49,7 @@ from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
-from .features import FeatureSource, FeatureStore
+from .features import FeatureSource, FeatureStore, OnlineFeatures
 from .step import Batch, TrainConfig, TrainStep, learning_rate, target_init_layers
 
 
@@ -231,6 +231,7 @@ class Trainer:
         mask_token_id: int,
         feature_source: FeatureSource | None = None,
         features_dir: Path | None = None,
+        online_features: bool = False,
         log=sys.stderr,
     ):
         self.target = target
@@ -256,14 +257,12 @@ class Trainer:
         target.capture(tuple(self.drafter_config.target_layer_ids))
         if not 0.0 <= config.soft_labels <= 1.0:
             raise GlimmerError(f"soft_labels: {config.soft_labels} is not in [0, 1]")
-        self.features = FeatureStore(
-            Path(features_dir) if features_dir is not None else self.out_dir / "features",
-            target,
-            self.sequences,
-            self.drafter_config.target_layer_ids,
-            feature_source,
-            teacher=config.soft_labels > 0,
-        )
+        layer_ids, teacher = self.drafter_config.target_layer_ids, config.soft_labels > 0
+        if online_features:
+            self.features = OnlineFeatures(target, self.sequences, layer_ids, feature_source, teacher)
+        else:
+            directory = Path(features_dir) if features_dir is not None else self.out_dir / "features"
+            self.features = FeatureStore(directory, target, self.sequences, layer_ids, feature_source, teacher)
         self.feature_scale = self._feature_scale(config.context_scale)
         mx.random.seed(config.seed)
         self.model = DFlashModel(self.drafter_config)
@@ -303,8 +302,8 @@ class Trainer:
         self.features.ensure(self.log)
         sample = np.random.default_rng(self.config.seed).permutation(len(self.sequences))[:256]
         squares, count = np.zeros(self.features.width), 0
-        for i in sample:
-            x = self.features.get(int(i))[1:].astype(np.float32)
+        for feats, _ in self.features.rows([int(i) for i in sample]):
+            x = feats[1:].astype(np.float32)
             squares += (x * x).sum(0)
             count += len(x)
         return np.maximum(np.sqrt(squares / max(count, 1)), 1e-3).astype(np.float32)
@@ -371,10 +370,9 @@ class Trainer:
         valid = np.zeros((len(indices), A, B - 1), dtype=np.float32)
         soft = self.config.soft_labels > 0
         teacher = np.zeros((len(indices), A, B - 1, self.target.hidden_size), dtype=np.float16) if soft else None
-        for r, i in enumerate(indices):
+        for r, (i, (feats, hidden)) in enumerate(zip(indices, self.features.rows(indices))):
             seq, lp = np.array(self.sequences[i]), self.prompt_lens[i]
             T = len(seq)
-            feats = self.features.get(i)
             ctx[r, :T] = feats if self.feature_scale is None else feats / self.feature_scale
             candidates = np.arange(lp, T - 1)
             n = min(A, len(candidates))
@@ -386,7 +384,7 @@ class Trainer:
             labels[r, :n] = np.maximum(lab, 0)
             valid[r, :n] = (label_pos < T) & (lab >= 0)
             if soft:  # the target's hidden state at p - 1 is what predicted the token at p
-                teacher[r, :n] = self.features.final_hidden(i)[np.minimum(label_pos, T) - 1]
+                teacher[r, :n] = hidden[np.minimum(label_pos, T) - 1]
         return Batch(ctx, block_ids, anchors, labels, valid, teacher)
 
     def next_indices(self) -> list[int]:
