@@ -1,5 +1,6 @@
 """Distillation: the training forward is the inference forward, training learns, and checkpoints resume."""
 
+import io
 import json
 
 import mlx.core as mx
@@ -168,6 +169,16 @@ def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     a = dict(mx.load(str(tmp_path / "a" / "run" / "checkpoint" / "model.safetensors")))
     c = dict(mx.load(str(tmp_path / "c" / "run" / "checkpoint" / "model.safetensors")))
     assert max(float(mx.abs(a[k] - c[k]).max()) for k in a if k != "draft_vocab") < 1e-5
+
+
+def test_a_run_resumed_with_other_steps_goes_on_and_says_where_its_learning_rate_moved(llama_pair, records, tmp_path):
+    make_trainer(llama_pair, records, tmp_path, steps=40, checkpoint_every=20).train(until=20)
+    checkpoint = tmp_path / "run" / "checkpoint"
+    same, longer = (make_trainer(llama_pair, records, tmp_path, steps=steps) for steps in (40, 80))
+    same.log, longer.log = io.StringIO(), io.StringIO()
+    assert same.resume(checkpoint) and same.log.getvalue() == ""
+    assert longer.resume(checkpoint) and longer.step == 20
+    assert "this run began with --steps 40; the learning rate now follows --steps 80" in longer.log.getvalue()
 
 
 def test_a_shallower_drafter_grows_by_identity_layers_and_drafts_as_before(llama_pair, records, tmp_path):

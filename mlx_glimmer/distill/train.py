@@ -37,6 +37,7 @@ import json
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -464,6 +465,7 @@ class Trainer:
             "order": self.order,
             "rng": self.rng.bit_generator.state,
             "backend": self.config.backend,
+            "steps": self.config.steps,
         }
         (path / "trainer.json").write_text(json.dumps(meta))
 
@@ -483,6 +485,15 @@ class Trainer:
         self.step = meta["step"]
         self.order = meta["order"]
         self.rng.bit_generator.state = meta["rng"]
+        began = meta.get("steps", self.config.steps)
+        if began != self.config.steps:  # allowed (it extends or shortens a run), but the schedule moves
+            print(
+                f"[train] this run began with --steps {began}; the learning rate now follows --steps "
+                f"{self.config.steps}: {learning_rate(self.step, self.config):.2e} at step {self.step}, where it "
+                f"was {learning_rate(self.step, replace(self.config, steps=began)):.2e}",
+                file=self.log,
+                flush=True,
+            )
         return True
 
 
