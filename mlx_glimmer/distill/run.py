@@ -212,6 +212,12 @@ def train_precision(flag: str) -> str:
     return "bfloat16" if native_bfloat16() else "float32"
 
 
+def evaluation_record(args, prompts: int) -> dict:
+    """How the run's held-out checks are made, as log.json records it."""
+    shape = {"block_size": 16, "tree": args.eval_tree, "sampling": "greedy", "chat_template": True}
+    return {"prompts": prompts, "max_tokens": args.eval_tokens, **shape}
+
+
 def train_and_export(
     args, pair, records: list[dict], n_tokens: int, heldout: list[str], out: Path, train_dir: Path
 ) -> None:
@@ -255,14 +261,7 @@ def train_and_export(
         mask_token_id=mask,
         target_layer_ids=trainer.drafter_config.target_layer_ids,
         draft_vocab_coverage=trainer.vocab_coverage,
-        eval={
-            "prompts": len(eval_ids),
-            "max_tokens": args.eval_tokens,
-            "block_size": 16,
-            "tree": args.eval_tree,
-            "sampling": "greedy",
-            "chat_template": True,
-        },
+        eval=evaluation_record(args, len(eval_ids)),
     )
 
     def evaluate(tr: Trainer) -> float:
