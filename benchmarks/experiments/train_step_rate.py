@@ -1,7 +1,7 @@
 """Training throughput: supervised block positions per second of `distill`'s step, by backend, precision and depth.
 
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
-        [--features stored,online] [--steps 20] [--rounds 3] [--note TEXT]
+        [--features stored,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
         [--out benchmarks/experiments/results/train_step_rate.json]
 
 RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="2,4", help="drafter depths, comma-separated")
     ap.add_argument("--configs", default="torch:bfloat16,torch:float32", help="backend:precision, comma-separated")
     ap.add_argument("--features", default="stored", help="stored and/or online, comma-separated")
+    ap.add_argument(
+        "--tags", default=None, help="the answers of these tags only, as the run's --temperatures kept (default all)"
+    )
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the results file")
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     if not data.is_file():
         sys.exit(f"error: {data} not found (RUN is a distill run with answers)")
     pair = load(demo_bundle(), use_drafter=False)
-    records = read_records(data)
+    records = [r for r in read_records(data) if args.tags is None or r["tag"] in args.tags.split(",")]
     sequences = training_sequences(records)
     layer_ids = context_layer_ids(pair.target, TrainConfig())
     stored = stored_source(features, [len(s) for s in sequences], layer_ids)
