@@ -65,6 +65,19 @@ class FeatureSource(Protocol):
     def capture(self, layer_ids: tuple[int, ...]) -> None: ...
 
 
+class Features(Protocol):
+    """Where the trainer reads the features of its sequences: a `FeatureStore` or `OnlineFeatures`."""
+
+    width: int  # k*H: the captured layers' outputs side by side
+    lengths: list[int]  # of every sequence
+
+    def ensure(self, log=sys.stderr) -> None:
+        """Compute ahead whatever is computed ahead (a store: every sequence not done yet)."""
+
+    def rows(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""
+
+
 # Sequences per chunk: each chunk is sorted by length before it is cut into batches, so a larger chunk pads less
 # (on the demo answers: 23% padded positions at 64, 9% at 256); and the store saves after each one.
 CHUNK = 256

@@ -2,10 +2,11 @@
 
 Per step, `sequences_per_step` answered prompts; for each, the frozen
 target's features at `target_layer_ids` for every position (computed once and
-kept on disk, or computed as each step draws its sequences: `features.py`), a random set of `anchors` positions inside the
-answer, and one block per anchor: [anchor token, mask x (B-1)] at positions
-a..a+B-1, seeing its own sequence's context before a and its own block (each
-block is a batch row, so blocks never see each other). Loss: cross-entropy of
+kept on disk, or as each step draws its sequences: `features.py`), a random
+set of `anchors` positions inside the answer, and one block per anchor:
+[anchor token, mask x (B-1)] at positions a..a+B-1, seeing its own sequence's
+context before a and its own block (each block is a batch row, so blocks never
+see each other). Loss: cross-entropy of
 block positions 1..B-1 against the target's tokens, weighted exp(-(k-1)/gamma).
 The target's embedding table and output head are frozen and borrowed; only
 the drafter's layers, `fc` and norms learn.
@@ -50,7 +51,7 @@ from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
 from ..target import Target, head_weight
-from .features import FeatureSource, FeatureStore, OnlineFeatures
+from .features import Features, FeatureSource, FeatureStore, OnlineFeatures
 from .step import Batch, TrainConfig, TrainStep, learning_rate, target_init_layers
 
 
@@ -259,6 +260,7 @@ class Trainer:
         if not 0.0 <= config.soft_labels <= 1.0:
             raise GlimmerError(f"soft_labels: {config.soft_labels} is not in [0, 1]")
         layer_ids, teacher = self.drafter_config.target_layer_ids, config.soft_labels > 0
+        self.features: Features
         if online_features:
             self.features = OnlineFeatures(target, self.sequences, layer_ids, feature_source, teacher)
         else:
