@@ -2,8 +2,10 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
+from test_sampling import chi_square_p
 
 from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
@@ -77,3 +79,14 @@ def test_a_bfloat16_target_keeps_its_slots_apart(checkpoints):
         i: dict(SlotGenerator(target, set(), slots=1).generate([p], max_tokens=10))[0] for i, p in enumerate(prompts)
     }
     assert together == alone
+
+
+def test_a_sampled_token_follows_the_targets_distribution(torch_targets):
+    """2,000 slots sample the token after one prompt at temperature 0.8: the counts fit the target's softmax."""
+    target, prompt, temperature = torch_targets["llama"], prompts_of(1, seed=4)[0], 0.8
+    with torch.inference_mode():
+        logits = target.head(target.decoder(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]).float()
+    expected = torch.softmax(logits / temperature, dim=-1).numpy()
+    answers = SlotGenerator(target, set(), slots=2000).generate([prompt] * 2000, max_tokens=1, temperature=temperature)
+    samples = np.array([a[0] for _, a in answers])
+    assert chi_square_p(samples, expected) > 1e-3

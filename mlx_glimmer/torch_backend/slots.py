@@ -97,8 +97,11 @@ class SlotGenerator:
         logits = self.target.head(hidden).float()
         if temperature <= 0:
             return logits.argmax(-1).tolist()
-        probs = torch.softmax(logits / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        # By the inverse of each row's cumulative distribution, one uniform draw a row: `torch.multinomial` draws
+        # one exponential per vocabulary entry, and on a 49k vocabulary that was a third of a sampled batch's time.
+        cumulative = torch.softmax(logits / temperature, dim=-1).cumsum(-1)
+        draw = torch.rand(len(cumulative), 1, generator=generator, device=cumulative.device) * cumulative[:, -1:]
+        return torch.searchsorted(cumulative, draw, right=True)[:, 0].clamp(max=cumulative.shape[-1] - 1).tolist()
 
     @torch.inference_mode()
     def generate(
