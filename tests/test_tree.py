@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tiny_checkpoints as tc
 from oracle_drafter import OracleDrafter, TreeOracle
-from scipy.stats import chisquare
 from table_timed import table_timed
+from test_sampling import chi_square_p
 from tree_libraries import LIBRARIES
 
 import mlx_glimmer
@@ -86,24 +86,6 @@ def prefix_of(tokens: list[int], parents: list[int], node: int) -> tuple[int, ..
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)
     return (x - np.log(np.exp(x).sum(-1, keepdims=True))).astype(np.float32)
-
-
-def chi_square_p(samples, expected_probs) -> float:
-    """Pearson's chi-square of `samples` (token ids) against `expected_probs`, cells expected below 5 pooled; a
-    token outside the expected support fails outright."""
-    samples = np.asarray(samples)
-    expected_probs = np.asarray(expected_probs, dtype=np.float64)
-    expected_probs = expected_probs / expected_probs.sum()
-    observed = np.bincount(samples, minlength=len(expected_probs)).astype(float)
-    assert observed[expected_probs == 0].sum() == 0, "a token outside the filtered support was emitted"
-    expected = expected_probs * len(samples)
-    small = expected < 5
-    obs, exp = observed[~small], expected[~small]
-    if small.any() and expected[small].sum() > 0:
-        obs, exp = np.append(obs, observed[small].sum()), np.append(exp, expected[small].sum())
-    if len(exp) == 1:
-        return 1.0
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 # --- best-first construction -------------------------------------------------------------------------------------
