@@ -167,9 +167,12 @@ class WidthPolicy:
             else:
                 along = lookup if shape.lookup else chain
                 expected = along[min(shape.width, len(along)) - 1]
-            drafting = self.times.drafting(self._proposer(shape), context)
-            out[shape] = expected / max(costs[shape.width - 1] + drafting, 1e-9)
+            out[shape] = expected / max(self.seconds(shape, context, costs), 1e-9)
         return out
+
+    def seconds(self, shape: Shape, context: int, costs: list[float]) -> float:
+        """A round of `shape`'s expected seconds after `context`: its verify (`costs`, by width) and its drafting."""
+        return costs[shape.width - 1] + self.times.drafting(self._proposer(shape), context)
 
     def index(self, shape: Shape, rate: float, ngram: int = 0) -> float:
         """The rate, raised by how little its proposer has been tried (upper confidence bound)."""

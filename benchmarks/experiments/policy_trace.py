@@ -33,18 +33,15 @@ def name(shape: Shape) -> str:
 
 
 def expectations(policy: WidthPolicy, context: int, found: int, ngram: int) -> dict[str, dict]:
-    """E and predicted seconds of the plain step, every chain and every tree budget."""
-    costs, chain, out = policy.cost.estimates(context), policy.chain.expected(), {}
-    lookup = policy._model(Shape(2, lookup=True), ngram).expected(policy.lookup[0].rates()) if policy.lookup else []
+    """E and predicted seconds of the plain step, every chain, every tree budget and the lookup's chains at hand:
+    the policy's own rates and seconds (E = rate x seconds)."""
+    costs = policy.cost.estimates(context)
     shapes = [Shape(w) for w in range(1, policy.max_width + 1)] + [Shape(b, tree=True) for b in policy.trees]
-    for shape in shapes + [s for s in policy.shapes(found) if s.lookup]:
-        if shape.tree:
-            e = policy.trees[shape.width].expected(chain)
-        else:
-            along = lookup if shape.lookup else chain
-            e = along[min(shape.width, len(along)) - 1]
-        seconds = costs[shape.width - 1] + policy.times.drafting(policy._proposer(shape), context)
-        out[name(shape)] = {"E": e, "seconds": seconds}
+    shapes += [s for s in policy.shapes(found) if s.lookup]
+    out = {}
+    for shape, rate in policy.rates(context, found, ngram, shapes).items():
+        seconds = policy.seconds(shape, context, costs)
+        out[name(shape)] = {"E": rate * seconds, "seconds": seconds}
     return out
 
 
