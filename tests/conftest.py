@@ -13,6 +13,7 @@ import tiny_checkpoints as tc  # noqa: E402
 
 HOME_DIRS = (Path.home() / ".cache", Path.home() / ".local" / "share")
 SANDBOX_ENV = "MLX_GLIMMER_TEST_SANDBOX"  # the run's private cache/data root, kept across the BLAS re-exec
+WORKER_ENV = "PYTEST_XDIST_WORKER"  # set in each worker of a parallel run (its id, e.g. gw0)
 
 
 def home_entries() -> set[str]:
@@ -27,12 +28,14 @@ def home_entries() -> set[str]:
 
 def sandbox_caches() -> None:
     """Every cache and data folder the code under test (and pip, Hugging Face, XDG users) would write goes to a
-    temporary folder for this run, never to the real home."""
+    temporary folder for this run, never to the real home; each worker of a parallel run (pytest-xdist) gets a
+    folder of its own inside it, so no two processes build the same demo bundle or download into one place."""
     root = os.environ.get(SANDBOX_ENV)
     if root is None:
         root = tempfile.mkdtemp(prefix="mlx-glimmer-tests-")
         os.environ[SANDBOX_ENV] = root
         os.environ["MLX_GLIMMER_TEST_HOME_BEFORE"] = json.dumps(sorted(home_entries()))
+    base = Path(root) / os.environ.get(WORKER_ENV, "")
     for name, sub in (
         ("MLX_GLIMMER_CACHE", "cache/mlx-glimmer"),
         ("XDG_CACHE_HOME", "cache"),
@@ -40,7 +43,7 @@ def sandbox_caches() -> None:
         ("PIP_CACHE_DIR", "cache/pip"),
         ("HF_HOME", "cache/huggingface"),
     ):
-        os.environ[name] = str(Path(root) / sub)
+        os.environ[name] = str(base / sub)
 
 
 def pytest_configure(config):
@@ -62,7 +65,10 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run when it left anything new in the real `~/.cache` or `~/.local/share`, then drop the sandbox."""
+    """Fail the run when it left anything new in the real `~/.cache` or `~/.local/share`, then drop the sandbox:
+    once, in the process that started the run (a parallel run's controller finishes after all its workers)."""
+    if os.environ.get(WORKER_ENV):
+        return
     before = set(json.loads(os.environ.get("MLX_GLIMMER_TEST_HOME_BEFORE", "[]")))
     new = sorted(home_entries() - before)
     if new:
@@ -117,7 +123,9 @@ def demo_bundle():
     gguf = cache / SMOLLM2_FILES[0]
     if gguf.is_file() and not gguf.is_symlink() and not (REPO_CACHE / gguf.name).exists():
         REPO_CACHE.mkdir(exist_ok=True)
-        shutil.copy(gguf, REPO_CACHE / gguf.name)
+        staged = REPO_CACHE / f"{gguf.name}.{os.getpid()}.partial"  # workers may both copy: each swaps in whole
+        shutil.copy(gguf, staged)
+        os.replace(staged, REPO_CACHE / gguf.name)
     return path
 
 
