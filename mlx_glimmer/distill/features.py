@@ -82,6 +82,12 @@ class Features(Protocol):
 # (on the demo answers: 23% padded positions at 64, 9% at 256); and the store saves after each one.
 CHUNK = 256
 
+# Padded positions per batched forward. Past a few thousand, a batch's activations (positions x the target's
+# intermediate width) outgrow the CPU's caches and the elementwise ops between the products (norms, SiLU,
+# RoPE) run at memory speed: on the demo target in torch float32 on a 2-core AMD EPYC, 2,048 positions ran
+# 1.3-1.4x faster than 8,192 (benchmarks/experiments/feature_pass.py measures a pass).
+BATCH_TOKENS = 2048
+
 
 def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped for batched forwards: sorted by length, each group's padded size (rows x longest) at most
@@ -102,7 +108,7 @@ class MLXFeatures:
 
     name, spec = "mlx float32", "mlx:float32"
 
-    def __init__(self, target: Target, batch_tokens: int = 4096, chunk: int = CHUNK):
+    def __init__(self, target: Target, batch_tokens: int = BATCH_TOKENS, chunk: int = CHUNK):
         self.target = target
         self.batch_tokens, self.chunk = batch_tokens, chunk
 
@@ -124,7 +130,9 @@ class MLXFeatures:
 class TorchFeatures:
     """The bundle's target on torch (CPU), float32 or bfloat16, several sequences per forward."""
 
-    def __init__(self, target_path: Path, batch_tokens: int = 8192, dtype: str = "bfloat16", chunk: int = CHUNK):
+    def __init__(
+        self, target_path: Path, batch_tokens: int = BATCH_TOKENS, dtype: str = "bfloat16", chunk: int = CHUNK
+    ):
         import torch
 
         from ..torch_backend.loading import load_torch
