@@ -629,6 +629,7 @@ def main(argv=None) -> int:
     ensure_fast_blas(cache_dir() / "blas")
     args = parse_args(argv)
     import mlx_glimmer
+    from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.demo import demo_bundle
     from mlx_glimmer.distill.data import load_prompts
     from mlx_glimmer.paths import DATA_DIR
@@ -662,6 +663,7 @@ def main(argv=None) -> int:
             "drafter_training_backend": logged,
             "draft_vocab": None if pair.drafter.draft_vocab is None else int(pair.drafter.draft_vocab.shape[0]),
         },
+        "cpu": cpu_facts(),
         "seconds": {},
     }
 

@@ -1,7 +1,8 @@
 """Feature-pass throughput: target tokens per second of `distill`'s feature store, by source and precision.
 
     python benchmarks/experiments/feature_pass.py [BUNDLE] [--data runs/demo2/data/responses.jsonl] [--answers 256]
-        [--sources torch:float32,torch:bfloat16,mlx:float32] [--blas-order torch-first|preload] [--note TEXT]
+        [--sources torch:float32,torch:bfloat16,mlx:float32] [--blas-order torch-first|preload] [--batch-tokens N,...]
+        [--note TEXT]
         [--out benchmarks/experiments/results/feature_pass.json]
 
 Each source computes the features (the outputs of the drafter's target layers, and the final hidden states) of
@@ -11,7 +12,8 @@ divided into the tokens. The first chunk is timed too: what a user waits for is 
 file names the CPU, its flags that decide the precision (`avx512_bf16`, `amx_bf16`, ...), the BLAS MLX runs on,
 and which of the sources `distill --feature-source auto` would time here (`candidate_sources`) measured fastest.
 `--blas-order preload` measures torch's products on the preloaded OpenBLAS (how `distill` ran before it loaded
-OpenBLAS after torch). Run it with nothing else running.
+OpenBLAS after torch). `--batch-tokens` gives the padded positions per forward (default `distill`'s); with
+several, comma-separated, each source makes one pass at each. Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--answers", type=int, default=256)
     ap.add_argument("--sources", default="torch:float32,torch:bfloat16,mlx:float32")
     ap.add_argument("--blas-order", choices=["torch-first", "preload"], default="torch-first")
+    ap.add_argument(
+        "--batch-tokens", default=None, help="padded positions per forward, comma-separated (default distill's)"
+    )
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the results file")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "feature_pass.json"))
     args = ap.parse_args(argv)
@@ -48,7 +53,7 @@ def main(argv=None) -> int:
     from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.demo import demo_bundle
     from mlx_glimmer.distill.data import read_records
-    from mlx_glimmer.distill.features import FeatureStore, candidate_sources, make_feature_source
+    from mlx_glimmer.distill.features import BATCH_TOKENS, FeatureStore, candidate_sources, make_feature_source
     from mlx_glimmer.distill.train import training_sequences
     from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
     from mlx_glimmer.loading import load
@@ -58,15 +63,19 @@ def main(argv=None) -> int:
     tokens = sum(len(s) for s in sequences)
     layer_ids = dflash_target_layer_ids(pair.target.num_layers, 5)
     rows = []
+    sizes = [int(x) for x in args.batch_tokens.split(",")] if args.batch_tokens else [BATCH_TOKENS]
     for spec in args.sources.split(","):
         source = make_feature_source(spec, pair.target, pair.target_path)
-        with tempfile.TemporaryDirectory() as tmp:
-            store = FeatureStore(Path(tmp), pair.target, sequences, layer_ids, source=source, teacher=True)
-            tic = time.perf_counter()
-            store.ensure(log=sys.stderr)
-            seconds = time.perf_counter() - tic
-        rows.append({"source": spec, "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds)})
-    here = [r for r in rows if r["source"] in candidate_sources()]
+        for size in sizes:
+            source.batch_tokens = size
+            with tempfile.TemporaryDirectory() as tmp:
+                store = FeatureStore(Path(tmp), pair.target, sequences, layer_ids, source=source, teacher=True)
+                tic = time.perf_counter()
+                store.ensure(log=sys.stderr)
+                seconds = time.perf_counter() - tic
+            row = {"source": spec, "batch_tokens": size, "seconds": round(seconds, 2)}
+            rows.append(row | {"tokens_per_second": round(tokens / seconds)})
+    here = [r for r in rows if r["source"] in candidate_sources() and r["batch_tokens"] == BATCH_TOKENS]
     result = {
         "command": shlex.join(["python", "benchmarks/experiments/feature_pass.py", *(argv or sys.argv[1:])]),
         "bundle": str(args.bundle or "demo"),
@@ -75,6 +84,7 @@ def main(argv=None) -> int:
         "cpu": cpu_facts(),
         "blas": blas_name(),
         "blas_order": args.blas_order,
+        "distill_batch_tokens": BATCH_TOKENS,
         "note": args.note,
         "candidates_here": candidate_sources(),
         "fastest_candidate": max(here, key=lambda r: r["tokens_per_second"])["source"] if here else None,

@@ -57,6 +57,7 @@ class FeatureSource(Protocol):
     name: str  # recorded with the features: a store computed by another source is recomputed
     spec: str  # how --feature-source names it
     chunk: int  # sequences per call
+    batch_tokens: int  # padded positions per batched forward
 
     def __call__(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each whole sequence: its [L_i, k*H] float16 features (the layers given to `capture`) and its
@@ -84,8 +85,7 @@ CHUNK = 256
 
 # Padded positions per batched forward. Past a few thousand, a batch's activations (positions x the target's
 # intermediate width) outgrow the CPU's caches and the elementwise ops between the products (norms, SiLU,
-# RoPE) run at memory speed: on the demo target in torch float32 on a 2-core AMD EPYC, 2,048 positions ran
-# 1.3-1.4x faster than 8,192 (benchmarks/experiments/feature_pass.py measures a pass).
+# RoPE) run at memory speed (`benchmarks/experiments/feature_pass.py --batch-tokens 2048,8192` compares).
 BATCH_TOKENS = 2048
 
 
