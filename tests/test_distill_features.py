@@ -9,13 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_glimmer.batching import length_groups
 from mlx_glimmer.cpu import native_bfloat16
 from mlx_glimmer.distill.features import (
     FeatureStore,
     MLXFeatures,
     candidate_sources,
     choose_feature_source,
-    length_groups,
     stored_source,
     target_features_and_hidden,
 )

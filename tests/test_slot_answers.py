@@ -52,6 +52,27 @@ def test_every_answer_equals_its_plain_greedy_decoding_across_refills_and_past_t
     assert [got[i] for i in range(len(prompts))] == reference
 
 
+def test_a_refill_prefills_in_forwards_within_the_position_budget_and_answers_stay_plain_greedy(torch_targets):
+    target = torch_targets["llama"]
+    prompts = prompts_of(8, seed=5)  # 3-19 tokens each
+    reference = [plain(target, p, 6, set()) for p in prompts]
+    prefills = []
+    hook = target.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            prefills.append(kwargs["input_ids"].shape) if kwargs["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        got = dict(SlotGenerator(target, set(), slots=8, prefill_tokens=40).generate(prompts, max_tokens=6))
+    finally:
+        hook.remove()
+    assert len(prefills) > 1  # one refill of all 8 prompts, cut into several forwards
+    assert all(rows == 1 or rows * width <= 40 for rows, width in prefills)
+    assert sum(rows for rows, _ in prefills) == len(prompts)
+    assert [got[i] for i in range(len(prompts))] == reference
+
+
 def test_answers_come_as_they_end_not_in_prompt_order(torch_targets):
     target = torch_targets["llama"]
     prompts = prompts_of(6, seed=1)

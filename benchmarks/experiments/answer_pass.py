@@ -4,16 +4,22 @@
     python benchmarks/experiments/answer_pass.py [BUNDLE] [--prompts benchmarks/experiments/distill/demo3/prompts.jsonl]
         [--skip 3000] [--count 256] [--max-tokens 256] [--runs slots:bfloat16:128,generate:bfloat16:64]
         [--note TEXT] [--out benchmarks/experiments/results/answer_pass.json]
+    python benchmarks/experiments/answer_pass.py --responses benchmarks/experiments/distill/demo2/responses.jsonl.gz \
+        --tag followup --skip 0 --count 128 --runs slots:float32:128,slots:float32:128:1000000
 
 Each run answers the same `--count` prompts (chat template, after skipping the first `--skip` of the list) up
 to `--max-tokens` tokens, stopping at the target's stop tokens:
 
-- `slots:DTYPE:N`: `torch_backend.slots.SlotGenerator` with N slots, what `distill --generator torch` runs;
+- `slots:DTYPE:N[:P]`: `torch_backend.slots.SlotGenerator` with N slots, what `distill --generator torch` runs,
+  prefilling at most P padded positions per forward (default `batching.BATCH_TOKENS`, what `distill` runs; a
+  P larger than a refill prefills each refill in one forward);
 - `generate:DTYPE:N`: transformers' `generate` on batches of N left-padded prompts, sorted by length (how
   `distill` generated before): a batch runs until its longest answer ends.
 
 Tokens per second counts answer tokens up to and including the stop token, over the wall time of the whole run
-(prefills included). The results file names the CPU and its flags, and how many answers of each run equal the
+(prefills included). `--responses FILE --tag TAG` answers the prompts of a run's answers file
+(`responses.jsonl`, or gzipped as the demo data ships) instead, as they were encoded there: `--tag followup`
+gives second turns, the long prompts whose prefills dominate a refill. The results file names the CPU and its flags, and how many answers of each run equal the
 first run's (bfloat16 answers drift from each other after a few dozen tokens: rounding, not a bug).
 Run it with nothing else running.
 """
@@ -21,6 +27,7 @@ Run it with nothing else running.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shlex
 import sys
@@ -59,6 +66,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", nargs="?", default=None, help="bundle (default: the demo pair)")
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/experiments/distill/demo3/prompts.jsonl"))
+    ap.add_argument("--responses", default=None, help="answers file whose prompts to answer instead of --prompts")
+    ap.add_argument("--tag", default="followup", help="with --responses: the answers whose prompts to take")
     ap.add_argument("--skip", type=int, default=3000)
     ap.add_argument("--count", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -81,16 +90,24 @@ def main(argv=None) -> int:
     from mlx_glimmer.torch_backend.slots import SlotGenerator
 
     bundle = Path(args.bundle or demo_bundle())
-    texts = load_prompts(Path(args.prompts))[args.skip : args.skip + args.count]
+    if args.responses:
+        opened = gzip.open if args.responses.endswith(".gz") else open
+        with opened(args.responses, "rt") as f:
+            records = [r for r in map(json.loads, f) if r["tag"] == args.tag]
+        encoded = [r["prompt_ids"] for r in records[args.skip : args.skip + args.count]]
+    else:
+        texts = load_prompts(Path(args.prompts))[args.skip : args.skip + args.count]
     rows, first = [], None
     for spec in args.runs.split(","):
-        kind, dtype, width = spec.split(":")
+        kind, dtype, width, *prefill = spec.split(":")
         pair = load_torch(target=bundle / "target", use_drafter=False, device="cpu", dtype=getattr(torch, dtype))
-        prompts = [chat_prompt_ids(pair.tokenizer, t) for t in texts]
+        prompts = encoded if args.responses else [chat_prompt_ids(pair.tokenizer, t) for t in texts]
         stop_ids = set(pair.tokenizer.eos_token_ids)
         tic = time.perf_counter()
         if kind == "slots":
-            made = SlotGenerator(pair.target, stop_ids, slots=int(width)).generate(prompts, max_tokens=args.max_tokens)
+            budget = {"prefill_tokens": int(prefill[0])} if prefill else {}
+            made = SlotGenerator(pair.target, stop_ids, slots=int(width), **budget)
+            made = made.generate(prompts, max_tokens=args.max_tokens)
         else:
             made = generate_batches(pair.target.model, prompts, stop_ids, int(width), args.max_tokens)
         answers = dict(made)
@@ -110,7 +127,8 @@ def main(argv=None) -> int:
     result = {
         "command": shlex.join(["python", "benchmarks/experiments/answer_pass.py", *(argv or sys.argv[1:])]),
         "bundle": str(args.bundle or "demo"),
-        "prompts": len(texts),
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
         "max_tokens": args.max_tokens,
         "cpu": cpu_facts(),
         "torch_threads": torch.get_num_threads(),

@@ -37,6 +37,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from ..batching import BATCH_TOKENS, length_groups
 from ..cpu import native_bfloat16
 from ..errors import GlimmerError
 from ..target import Target
@@ -82,25 +83,6 @@ class Features(Protocol):
 # Sequences per chunk: each chunk is sorted by length before it is cut into batches, so a larger chunk pads less
 # (on the demo answers: 23% padded positions at 64, 9% at 256); and the store saves after each one.
 CHUNK = 256
-
-# Padded positions per batched forward. Past a few thousand, a batch's activations (positions x the target's
-# intermediate width) outgrow the CPU's caches and the elementwise ops between the products (norms, SiLU,
-# RoPE) run at memory speed (`benchmarks/experiments/feature_pass.py --batch-tokens 2048,8192` compares).
-BATCH_TOKENS = 2048
-
-
-def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped for batched forwards: sorted by length, each group's padded size (rows x longest) at most
-    `batch_tokens` (a longer sequence goes alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups, start = [], 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and (end - start + 1) * lengths[order[end]] <= batch_tokens:
-            end += 1
-        groups.append(order[start:end])
-        start = end
-    return groups
 
 
 class MLXFeatures:

@@ -10,8 +10,10 @@ Here every layer's keys and values live in one buffer [slots, kv heads, capacity
 place, each slot at its own position; a decode step is one forward of one token per slot, with each slot's
 position as `position_ids` and a 4D mask that shows each slot its own entries (within the window on a
 sliding layer). A slot whose answer ended takes the next prompt in the next refill: the prompts are
-prefilled together, right-padded, and their entries written into the free slots. Once no prompt waits, the
-buffer shrinks to the slots still answering, so the tail of a run does not drag idle rows along.
+prefilled right-padded, several per forward up to `prefill_tokens` padded positions (`batching.py`: the
+whole refill in one forward pads to its longest prompt and outgrows the caches), and their entries written
+into the free slots. Once no prompt waits, the buffer shrinks to the slots still answering, so the tail of a
+run does not drag idle rows along.
 
 The model is the transformers decoder `TorchTarget` wraps, so any model that takes `position_ids` and a
 custom mask (what a tree verify needs, `target.tree_refusal`) can run here.
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..batching import BATCH_TOKENS, length_groups
 from .target import TorchTarget, layer_masks
 
 
@@ -80,10 +83,10 @@ def slot_masks(target: TorchTarget, seen: torch.Tensor, distance: torch.Tensor):
 class SlotGenerator:
     """`generate` yields (index into `prompts`, answer ids) as each answer ends, stop token included."""
 
-    def __init__(self, target: TorchTarget, stop_ids, *, slots: int = 64):
+    def __init__(self, target: TorchTarget, stop_ids, *, slots: int = 64, prefill_tokens: int = BATCH_TOKENS):
         if target.tree_unsupported is not None:
             raise ValueError(f"batched answers need per-token positions and masks: {target.tree_unsupported}")
-        self.target, self.slots = target, slots
+        self.target, self.slots, self.prefill_tokens = target, slots, prefill_tokens
         self.stop_ids = set(int(t) for t in stop_ids)
         self.device = target.device
 
@@ -102,6 +105,21 @@ class SlotGenerator:
         cumulative = torch.softmax(logits / temperature, dim=-1).cumsum(-1)
         draw = torch.rand(len(cumulative), 1, generator=generator, device=cumulative.device) * cumulative[:, -1:]
         return torch.searchsorted(cumulative, draw, right=True)[:, 0].clamp(max=cumulative.shape[-1] - 1).tolist()
+
+    def _prefill(
+        self, cache: SlotCache, prompts: list[list[int]], rows: list[int], temperature, generator
+    ) -> list[int]:
+        """Write the prompts' entries into slots `rows` in one right-padded forward; each prompt's first token."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        steps = torch.arange(width, device=self.device)
+        positions = steps.expand(len(prompts), width)
+        seen = (steps[None, :] <= steps[:, None]).expand(len(prompts), width, width)
+        distance = (steps[:, None] - steps[None, :]).expand(len(prompts), width, width)
+        cache.prefill(torch.tensor(rows, device=self.device), width)
+        hidden = self._forward(cache, ids, positions, slot_masks(self.target, seen, distance))
+        ends = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return self._pick(hidden[torch.arange(len(prompts)), ends], temperature, generator)
 
     @torch.inference_mode()
     def generate(
@@ -139,24 +157,16 @@ class SlotGenerator:
             busy = len(owner) - len(free)
             if waiting and free and (len(free) >= refill_at or busy == 0):
                 take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                rows = free[: len(take)]
-                width = max(len(prompts[i]) for i in take)
-                ids = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in take], device=self.device)
-                steps = torch.arange(width, device=self.device)
-                positions = steps.expand(len(take), width)
-                seen = (steps[None, :] <= steps[:, None]).expand(len(take), width, width)
-                distance = (steps[:, None] - steps[None, :]).expand(len(take), width, width)
-                cache.prefill(torch.tensor(rows, device=self.device), width)
-                hidden = self._forward(cache, ids, positions, slot_masks(self.target, seen, distance))
-                ends = torch.tensor([len(prompts[i]) - 1 for i in take], device=self.device)
-                firsts = self._pick(hidden[torch.arange(len(take)), ends], temperature, generator)
-                for slot, index, token in zip(rows, take, firsts):
-                    owner[slot] = index
-                    answers[index] = []
-                    length[slot] = len(prompts[index])
-                    done = settle(slot, token)
-                    if done:
-                        yield done
+                for group in length_groups([len(prompts[i]) for i in take], self.prefill_tokens):
+                    rows, indices = [free[g] for g in group], [take[g] for g in group]
+                    firsts = self._prefill(cache, [prompts[i] for i in indices], rows, temperature, generator)
+                    for slot, index, token in zip(rows, indices, firsts):
+                        owner[slot] = index
+                        answers[index] = []
+                        length[slot] = len(prompts[index])
+                        done = settle(slot, token)
+                        if done:
+                            yield done
                 continue
             if not waiting and busy <= len(owner) // 2 and busy:
                 kept = [s for s in range(len(owner)) if owner[s] is not None]
