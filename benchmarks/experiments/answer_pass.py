@@ -4,8 +4,8 @@
     python benchmarks/experiments/answer_pass.py [BUNDLE] [--prompts benchmarks/experiments/distill/demo3/prompts.jsonl]
         [--skip 3000] [--count 256] [--max-tokens 256] [--runs slots:bfloat16:128,generate:bfloat16:64]
         [--note TEXT] [--out benchmarks/experiments/results/answer_pass.json]
-    python benchmarks/experiments/answer_pass.py --responses benchmarks/experiments/distill/demo2/responses.jsonl.gz \
-        --tag followup --skip 0 --count 128 --runs slots:float32:128,slots:float32:128:1000000
+    python benchmarks/experiments/answer_pass.py --responses benchmarks/experiments/distill/demo3/responses_added.jsonl.gz \
+        --tag followup --skip 0 --count 256 --runs slots:float32:128,slots:float32:128:1000000
 
 Each run answers the same `--count` prompts (chat template, after skipping the first `--skip` of the list) up
 to `--max-tokens` tokens, stopping at the target's stop tokens:
@@ -19,8 +19,9 @@ to `--max-tokens` tokens, stopping at the target's stop tokens:
 Tokens per second counts answer tokens up to and including the stop token, over the wall time of the whole run
 (prefills included). `--responses FILE --tag TAG` answers the prompts of a run's answers file
 (`responses.jsonl`, or gzipped as the demo data ships) instead, as they were encoded there: `--tag followup`
-gives second turns, the long prompts whose prefills dominate a refill. The results file names the CPU and its flags, and how many answers of each run equal the
-first run's (bfloat16 answers drift from each other after a few dozen tokens: rounding, not a bug).
+gives second turns, the long prompts whose prefills dominate a refill. The results file names the CPU and its
+flags, and how many answers of each run equal the first run's (bfloat16 answers drift from each other after a
+few dozen tokens: rounding, not a bug).
 Run it with nothing else running.
 """
 
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from mlx_glimmer.batching import BATCH_TOKENS
     from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.demo import demo_bundle
     from mlx_glimmer.distill.data import chat_prompt_ids, load_prompts
@@ -105,9 +107,9 @@ def main(argv=None) -> int:
         stop_ids = set(pair.tokenizer.eos_token_ids)
         tic = time.perf_counter()
         if kind == "slots":
-            budget = {"prefill_tokens": int(prefill[0])} if prefill else {}
-            made = SlotGenerator(pair.target, stop_ids, slots=int(width), **budget)
-            made = made.generate(prompts, max_tokens=args.max_tokens)
+            budget = int(prefill[0]) if prefill else BATCH_TOKENS
+            slots = SlotGenerator(pair.target, stop_ids, slots=int(width), prefill_tokens=budget)
+            made = slots.generate(prompts, max_tokens=args.max_tokens)
         else:
             made = generate_batches(pair.target.model, prompts, stop_ids, int(width), args.max_tokens)
         answers = dict(made)
