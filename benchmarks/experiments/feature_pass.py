@@ -50,10 +50,11 @@ def main(argv=None) -> int:
     # OpenBLAS); preload: OpenBLAS preloaded, which torch's products then run on too (how `distill` ran before)
     ensure_fast_blas(cache_dir() / "blas", torch_first=args.blas_order == "torch-first")
 
+    from mlx_glimmer.batching import BATCH_TOKENS
     from mlx_glimmer.cpu import cpu_facts
     from mlx_glimmer.demo import demo_bundle
     from mlx_glimmer.distill.data import read_records
-    from mlx_glimmer.distill.features import BATCH_TOKENS, FeatureStore, candidate_sources, make_feature_source
+    from mlx_glimmer.distill.features import FeatureStore, candidate_sources, make_feature_source
     from mlx_glimmer.distill.train import training_sequences
     from mlx_glimmer.drafters.dflash import dflash_target_layer_ids
     from mlx_glimmer.loading import load
