@@ -69,6 +69,7 @@ ARMS = {
     "greedy": (["--train-tags", "greedy,followup"], "greedy answers only (no T=0.8 samples)"),
     "lr2x": (["--lr", "1.2e-3"], "peak learning rate 1.2e-3 instead of 6e-4"),
     "anchors256": (["--anchors", "256"], "256 blocks per answer per step instead of 64 (a quarter of the steps)"),
+    "anchors16": (["--anchors", "16"], "16 blocks per answer per step instead of 64 (four times the steps)"),
     "mlp2x": (["--mlp-width", "2"], "each layer's MLP twice the target's width (3,072 instead of 1,536)"),
     # the screening winners together (layers4, greedy, lr2x)
     "combined": (

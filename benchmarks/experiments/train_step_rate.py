@@ -1,13 +1,13 @@
 """Training throughput: supervised block positions per second of `distill`'s step, by backend, precision and depth.
 
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
-        [--features stored,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
+        [--anchors N] [--features stored,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
         [--out benchmarks/experiments/results/train_step_rate.json]
 
 RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
 if a kill cut it short) the steps read, as `distill --train-only` would (default: runs/demo2). Each configuration
-builds the trainer `distill` builds (the recipe's defaults: 4 answers x 64 anchors per step, an 8,192-token draft
-vocabulary, random weights),
+builds the trainer `distill` builds (the recipe's defaults, `--anchors` blocks per answer, random weights; the
+results file spells the recipe out),
 compiles its step for every context width first (`[compile]`, outside the timer, its seconds recorded), then the
 configurations take turns, `--steps` optimiser steps each per round, so that load from elsewhere hits all alike.
 With `--features online` the batch's features are computed as `distill --features online` computes them (by the
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("run", nargs="?", default=str(ROOT / "runs" / "demo2"), help="a distill run (default runs/demo2)")
     ap.add_argument("--layers", default="2,4", help="drafter depths, comma-separated")
     ap.add_argument("--configs", default="torch:bfloat16,torch:float32", help="backend:precision, comma-separated")
+    ap.add_argument("--anchors", type=int, default=None, help="blocks per answer per step (default: distill's)")
     ap.add_argument("--features", default="stored", help="stored and/or online, comma-separated")
     ap.add_argument(
         "--tags", default=None, help="the answers of these tags only, as the run's --temperatures kept (default all)"
@@ -79,7 +80,13 @@ def main(argv=None) -> int:
         for spec in args.configs.split(","):
             for mode in args.features.split(","):
                 backend, _, precision = spec.partition(":")
-                config = TrainConfig(layers=layers, backend=backend, precision=precision or "float32", steps=10**6)
+                config = TrainConfig(
+                    layers=layers,
+                    anchors=args.anchors or TrainConfig.anchors,
+                    backend=backend,
+                    precision=precision or "float32",
+                    steps=10**6,
+                )
                 work = Path(tempfile.mkdtemp())
                 (work / "features").symlink_to(features.resolve())
                 trainer = Trainer(
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
         "run": run.name,
         "answers": len(records),
         "feature_source": stored,
-        "recipe": "4 answers x 64 anchors per step, block 16, draft vocabulary 8,192, random weights",
+        "recipe": f"{config.sequences_per_step} answers x {config.anchors} anchors per step, block {config.block_size}, "
+        f"draft vocabulary {config.draft_vocab_size:,}, random weights",
         "cpu": cpu_facts(),
         "blas": blas_name(),
         "auto_precision_here": train_precision("auto"),

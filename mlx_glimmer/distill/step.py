@@ -27,7 +27,7 @@ class TrainConfig:
     mlp_width: float = 1.0  # drafter MLP hidden size as a multiple of the target's intermediate size
     context_layers: int = 5
     block_size: int = 16
-    anchors: int = 64  # blocks per sequence per step
+    anchors: int = 16  # blocks per sequence per step: an answer's blocks share its context, so steps teach, not blocks
     sequences_per_step: int = 4
     draft_vocab_size: int | None = 8192  # the most emitted tokens (all when fewer); None: every emitted token
     init: str = "random"  # "random", "target", "target:L1,L2,...", or a drafter directory to fine-tune
