@@ -32,11 +32,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
+    from mlx_glimmer.distill.step import TrainConfig  # neither imports an array library: the BLAS is not loaded yet
+    from mlx_glimmer.flags import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", nargs="?", default=str(ROOT / "runs" / "demo2"), help="a distill run (default runs/demo2)")
     ap.add_argument("--layers", default="2,4", help="drafter depths, comma-separated")
     ap.add_argument("--configs", default="torch:bfloat16,torch:float32", help="backend:precision, comma-separated")
-    ap.add_argument("--anchors", type=int, default=None, help="blocks per answer per step (default: distill's)")
+    ap.add_argument(
+        "--anchors",
+        type=positive_int,
+        default=TrainConfig.anchors,
+        help="blocks per answer per step (default: distill's)",
+    )
     ap.add_argument("--features", default="stored", help="stored and/or online, comma-separated")
     ap.add_argument(
         "--tags", default=None, help="the answers of these tags only, as the run's --temperatures kept (default all)"
@@ -57,7 +65,6 @@ def main(argv=None) -> int:
     from mlx_glimmer.distill.data import read_records
     from mlx_glimmer.distill.features import make_feature_source, stored_source
     from mlx_glimmer.distill.run import pick_mask_token, train_precision
-    from mlx_glimmer.distill.step import TrainConfig
     from mlx_glimmer.distill.train import Trainer, context_layer_ids, training_sequences
     from mlx_glimmer.loading import load
 
@@ -82,7 +89,7 @@ def main(argv=None) -> int:
                 backend, _, precision = spec.partition(":")
                 config = TrainConfig(
                     layers=layers,
-                    anchors=args.anchors or TrainConfig.anchors,
+                    anchors=args.anchors,
                     backend=backend,
                     precision=precision or "float32",
                     steps=10**6,
