@@ -133,6 +133,23 @@ def test_a_store_of_fewer_answers_grows_and_computes_only_the_new_ones(llama_pai
     assert FeatureStore(tmp_path / "grown", llama_pair.target, sequences[::-1], LAYERS).done == 0  # other answers
 
 
+def test_a_run_of_fewer_answers_reads_a_grown_store_as_it_is(llama_pair, records, tmp_path):
+    sequences = training_sequences(records)
+    whole = FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS, teacher=True)
+    whole.ensure(log=io.StringIO())
+    kept = [np.array(whole.get(i)) for i in range(len(sequences))]
+
+    fewer = FeatureStore(tmp_path / "store", llama_pair.target, sequences[:4], LAYERS, DiesAfter(whole.source, 0))
+    assert fewer.done == 4
+    fewer.ensure(log=io.StringIO())  # computes nothing: the source would die
+    assert all(np.array_equal(fewer.get(i), kept[i]) for i in range(4))
+    assert fewer.teacher and np.array_equal(fewer.final_hidden(3), whole.final_hidden(3))
+
+    again = FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS)
+    assert again.done == len(sequences)  # the grown store's record is whole after the smaller run
+    assert all(np.array_equal(again.get(i), kept[i]) for i in range(len(sequences)))
+
+
 def train(llama_pair, records, run, soft_labels=0.0, **kw):
     cfg = TrainConfig(
         soft_labels=soft_labels,

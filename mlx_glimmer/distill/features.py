@@ -198,14 +198,16 @@ def pick_feature_source(
 
 
 def stored_meta(directory: Path, lengths: list[int], layer_ids: list[int]) -> dict | None:
-    """The store's record (features.json) when `directory` holds features of these sequences, or of the first
-    of them, at these layers, else None."""
+    """The store's record (features.json) when `directory` holds features of these sequences at these layers: of
+    all of them, of the first of them (the answers grew since), or of them and more after them (a run of fewer
+    answers reading a grown store, which it reads as it is); else None."""
     meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
     if not meta_path.is_file() or not data_path.is_file():
         return None
     meta = json.loads(meta_path.read_text())
     stored = meta.get("lengths") or []
-    if meta.get("layer_ids") != list(layer_ids) or stored != list(lengths[: len(stored)]):
+    common = min(len(stored), len(lengths))
+    if meta.get("layer_ids") != list(layer_ids) or stored[:common] != list(lengths[:common]):
         return None
     return meta
 
@@ -228,7 +230,7 @@ def stored_sequences(
         and meta.get("source", MLXFeatures.name) == source_name
         and (not teacher or (meta.get("teacher", False) and (Path(directory) / "teacher.f16").is_file()))
     )
-    return int(meta["done"]) if same else 0
+    return min(int(meta["done"]), len(lengths)) if same else 0
 
 
 def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
