@@ -150,6 +150,34 @@ def test_a_run_of_fewer_answers_reads_a_grown_store_as_it_is(llama_pair, records
     assert all(np.array_equal(again.get(i), kept[i]) for i in range(len(sequences)))
 
 
+def test_a_store_that_cannot_serve_the_run_is_computed_anew_with_one_line_saying_why(llama_pair, records, tmp_path):
+    sequences = training_sequences(records)
+    FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).ensure(log=io.StringIO())
+    quiet = io.StringIO()
+    assert FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS, log=quiet).done == len(sequences)
+    assert quiet.getvalue() == ""
+
+    cases = [
+        ((sequences[::-1], LAYERS, False), "other answers"),
+        ((sequences, LAYERS[:2], False), "layers [1, 3, 4], this run reads [1, 3]"),
+        ((sequences, LAYERS, True), "no final hidden states"),
+    ]
+    for (seqs, layers, teacher), reason in cases:
+        FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).ensure(log=io.StringIO())
+        log = io.StringIO()
+        store = FeatureStore(tmp_path / "store", llama_pair.target, seqs, layers, teacher=teacher, log=log)
+        assert store.done == 0
+        assert log.getvalue().count("\n") == 1 and f"computing {tmp_path / 'store'} anew: " in log.getvalue()
+        assert reason in log.getvalue()
+
+    (tmp_path / "store" / "features.json").write_text('{"layer_ids": [1, 3')  # cut by a full disk
+    log = io.StringIO()
+    store = FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS, log=log)
+    assert store.done == 0 and "features.json is unreadable" in log.getvalue()
+    store.ensure(log=io.StringIO())
+    assert FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).done == len(sequences)
+
+
 def train(llama_pair, records, run, soft_labels=0.0, **kw):
     cfg = TrainConfig(
         soft_labels=soft_labels,

@@ -197,19 +197,44 @@ def pick_feature_source(
     return best
 
 
-def stored_meta(directory: Path, lengths: list[int], layer_ids: list[int]) -> dict | None:
-    """The store's record (features.json) when `directory` holds features of these sequences at these layers: of
-    all of them, of the first of them (the answers grew since), or of them and more after them (a run of fewer
-    answers reading a grown store, which it reads as it is); else None."""
+def store_mismatch(
+    directory: Path, lengths: list[int], layer_ids: list[int], source_name: str | None = None, teacher: bool = False
+) -> str | None:
+    """Why the store in `directory` cannot serve these sequences at these layers (computed by `source_name` when
+    given; with final hidden states when `teacher`), or None when it can or holds nothing. It serves them when it
+    holds all of them, the first of them (the answers grew since), or them and more after them (a run of fewer
+    answers reading a grown store, which it reads as it is)."""
     meta_path, data_path = Path(directory) / "features.json", Path(directory) / "features.f16"
-    if not meta_path.is_file() or not data_path.is_file():
+    if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return "its record features.json is unreadable"
     stored = meta.get("lengths") or []
     common = min(len(stored), len(lengths))
-    if meta.get("layer_ids") != list(layer_ids) or stored[:common] != list(lengths[:common]):
+    if not data_path.is_file():
+        return "features.f16 is missing"
+    if meta.get("layer_ids") != list(layer_ids):
+        return f"it holds layers {meta.get('layer_ids')}, this run reads {list(layer_ids)}"
+    if stored[:common] != list(lengths[:common]):
+        return "it holds the features of other answers"
+    computed_with = meta.get("source", MLXFeatures.name)
+    if source_name is not None and computed_with != source_name:
+        spec, wanted = computed_with.replace(" ", ":"), source_name.replace(" ", ":")
+        return f"it was computed with {spec}, this run computes with {wanted}"
+    if teacher and not (meta.get("teacher", False) and (Path(directory) / "teacher.f16").is_file()):
+        return "it holds no final hidden states, which --soft-labels reads"
+    return None
+
+
+def stored_meta(directory: Path, lengths: list[int], layer_ids: list[int]) -> dict | None:
+    """The store's record (features.json) when `directory` holds features of these sequences at these layers
+    (see `store_mismatch`), else None."""
+    meta_path = Path(directory) / "features.json"
+    if not meta_path.is_file() or store_mismatch(directory, lengths, layer_ids) is not None:
         return None
-    return meta
+    return json.loads(meta_path.read_text())
 
 
 def extend_file(path: Path, size: int) -> None:
@@ -222,15 +247,11 @@ def extend_file(path: Path, size: int) -> None:
 def stored_sequences(
     directory: Path, lengths: list[int], layer_ids: list[int], source_name: str, teacher: bool = False
 ) -> int:
-    """How many of these sequences' features `directory` already holds (0 when it holds other sequences, other
-    layers, or another source's; with `teacher`, also 0 when it holds no final hidden states)."""
-    meta = stored_meta(directory, lengths, layer_ids)
-    same = (
-        meta is not None
-        and meta.get("source", MLXFeatures.name) == source_name
-        and (not teacher or (meta.get("teacher", False) and (Path(directory) / "teacher.f16").is_file()))
-    )
-    return min(int(meta["done"]), len(lengths)) if same else 0
+    """How many of these sequences' features `directory` already holds (0 when `store_mismatch` gives a reason)."""
+    meta_path = Path(directory) / "features.json"
+    if not meta_path.is_file() or store_mismatch(directory, lengths, layer_ids, source_name, teacher) is not None:
+        return 0
+    return min(int(json.loads(meta_path.read_text()).get("done", 0)), len(lengths))
 
 
 def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
@@ -271,6 +292,7 @@ class FeatureStore:
         layer_ids: list[int],
         source: FeatureSource | None = None,
         teacher: bool = False,
+        log=sys.stderr,
     ):
         self.directory = Path(directory)
         self.target = target
@@ -283,6 +305,9 @@ class FeatureStore:
         self.meta_path = self.directory / "features.json"
         self.data_path = self.directory / "features.f16"
         self.done = stored_sequences(self.directory, self.lengths, self.layer_ids, self.source.name, teacher)
+        reason = store_mismatch(self.directory, self.lengths, self.layer_ids, self.source.name, teacher)
+        if reason is not None:  # hours of work may go: say so
+            print(f"[features] computing {self.directory} anew: {reason}", file=log, flush=True)
         # a store that already has the final hidden states keeps them, whether or not this run reads them
         self.teacher = teacher or bool(self.done and json.loads(self.meta_path.read_text()).get("teacher", False))
         rows = max(int(self.offsets[-1]), 1)

@@ -265,7 +265,7 @@ class Trainer:
             self.features = OnlineFeatures(target, self.sequences, layer_ids, feature_source, teacher)
         else:
             directory = Path(features_dir) if features_dir is not None else self.out_dir / "features"
-            self.features = FeatureStore(directory, target, self.sequences, layer_ids, feature_source, teacher)
+            self.features = FeatureStore(directory, target, self.sequences, layer_ids, feature_source, teacher, log=log)
         self.feature_scale = self._feature_scale(config.context_scale)
         mx.random.seed(config.seed)
         self.model = DFlashModel(self.drafter_config)
