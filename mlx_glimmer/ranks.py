@@ -53,13 +53,15 @@ def is_lead() -> bool:
 
 
 def check_split_command(command: str, extra: str | None = None) -> None:
-    """Refuse a command that cannot run split: rank 0 says so in one error, the others leave silently with
-    the same exit code. `extra` names a setting of a splittable command that cannot (a torch backend)."""
+    """Refuse a command that cannot run split: rank 0 says so in one error, the others leave silently. They
+    leave with 0: a launcher (`mlx.launch`, mpirun) stops every process once one exits with an error, which
+    could kill rank 0 before its line is written. `extra` names a setting of a splittable command that cannot
+    (a torch backend)."""
     group = split_group()
     if group is None or (command in SPLIT_COMMANDS and extra is None):
         return
     if group.rank() != 0:
-        raise SystemExit(2)
+        raise SystemExit(0)
     what = f"{command} {extra}" if extra else command
     supported = ", ".join(f"`{c}`" for c in SPLIT_COMMANDS)
     raise GlimmerError(
