@@ -207,6 +207,22 @@ def staged_directory(out: Path, what: str) -> Iterator[Path]:
         raise
 
 
+def published_directory(out: Path) -> Path:
+    """`out`, or, when a kill fell between `publish_directory`'s two renames (`out` then missing), the whole
+    directory it had moved aside."""
+    if out.exists() or out.is_symlink():
+        return out
+    aside = sorted(out.parent.glob(f".{out.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    return aside[-1] if aside else out
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove what killed `staged_directory` blocks left beside `out` (staging directories, a moved-aside copy):
+    only for a writer that knows no other process writes `out`."""
+    for left in [*out.parent.glob(f".{out.name}.*.partial"), *out.parent.glob(f".{out.name}.*.old")]:
+        shutil.rmtree(left, ignore_errors=True)
+
+
 def publish_directory(staging: Path, out: Path) -> None:
     """Put the finished directory `staging` (made private by `tempfile.mkdtemp`) at `out` with the permissions a
     new directory gets, replacing what is there: the old one is moved aside first and put back if the rename

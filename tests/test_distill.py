@@ -171,6 +171,45 @@ def test_checkpoint_resumes_exactly(llama_pair, records, tmp_path, backend):
     assert max(float(mx.abs(a[k] - c[k]).max()) for k in a if k != "draft_vocab") < 1e-5
 
 
+class Killed(BaseException):
+    """What a kill looks like to the code that was running."""
+
+
+def test_a_run_killed_while_it_saves_a_checkpoint_resumes_from_the_one_before(llama_pair, records, tmp_path):
+    full = make_trainer(llama_pair, records, tmp_path / "a", steps=40, checkpoint_every=20)
+    full.train()
+    broken = make_trainer(llama_pair, records, tmp_path / "b", steps=40, checkpoint_every=20)
+
+    def dies(path):
+        raise Killed  # the step-40 weights are written; the optimizer and step are not
+
+    broken.train(until=20)
+    broken.step_fn.save_optimizer = dies
+    with pytest.raises(Killed):
+        broken.train()
+    run = tmp_path / "b" / "run"
+    resumed = make_trainer(llama_pair, records, tmp_path / "b", steps=40, checkpoint_every=20)
+    assert resumed.resume(run / "checkpoint") and resumed.step == 20
+    resumed.train()
+    a = dict(mx.load(str(tmp_path / "a" / "run" / "checkpoint" / "model.safetensors")))
+    b = dict(mx.load(str(run / "checkpoint" / "model.safetensors")))
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a if k != "draft_vocab") < 1e-5
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+
+
+def test_a_checkpoint_a_kill_left_aside_is_resumed_and_the_leftovers_go_at_the_next_save(llama_pair, records, tmp_path):
+    make_trainer(llama_pair, records, tmp_path, steps=40, checkpoint_every=20).train(until=20)
+    run = tmp_path / "run"
+    (run / "checkpoint").rename(run / ".checkpoint.0123abcd.old")  # killed between the save's two renames...
+    (run / ".checkpoint.4567cdef.partial").mkdir()  # ...and, at an earlier save, while writing
+    (run / ".checkpoint.4567cdef.partial" / "model.safetensors").write_bytes(b"cut")
+    resumed = make_trainer(llama_pair, records, tmp_path, steps=40, checkpoint_every=20)
+    assert resumed.resume(run / "checkpoint") and resumed.step == 20
+    resumed.train()
+    assert json.loads((run / "checkpoint" / "trainer.json").read_text())["step"] == 40
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+
+
 def test_a_run_resumed_with_other_steps_goes_on_and_says_where_its_learning_rate_moved(llama_pair, records, tmp_path):
     make_trainer(llama_pair, records, tmp_path, steps=40, checkpoint_every=20).train(until=20)
     checkpoint = tmp_path / "run" / "checkpoint"

@@ -50,6 +50,7 @@ from mlx.utils import tree_flatten
 from ..drafters.config import DrafterConfig
 from ..drafters.dflash import DFlashModel, dflash_target_layer_ids
 from ..errors import GlimmerError
+from ..files import published_directory, remove_leftovers, staged_directory
 from ..target import Target, head_weight
 from .features import Features, FeatureSource, FeatureStore, OnlineFeatures
 from .step import Batch, TrainConfig, TrainStep, learning_rate, target_init_layers
@@ -455,23 +456,27 @@ class Trainer:
         self.save(self.out_dir / f"step{self.step:06d}")
 
     def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        """Weights, optimizer and trainer state at `path`, replaced whole: a kill while saving leaves the previous
+        checkpoint (its weights, optimizer and step agreeing), never the new weights beside the old step."""
         with self.inference_weights() as model:
             weights = dict(tree_flatten(model.parameters()))
         weights["draft_vocab"] = self.draft_vocab
-        mx.save_safetensors(str(path / "model.safetensors"), weights)
-        (path / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
-        self.step_fn.save_optimizer(path)
-        meta = {
-            "step": self.step,
-            "order": self.order,
-            "rng": self.rng.bit_generator.state,
-            "backend": self.config.backend,
-            "steps": self.config.steps,
-        }
-        (path / "trainer.json").write_text(json.dumps(meta))
+        with staged_directory(path, "checkpoint") as staging:
+            mx.save_safetensors(str(staging / "model.safetensors"), weights)
+            (staging / "config.json").write_text(json.dumps(self.drafter_config.to_dict(), indent=2))
+            self.step_fn.save_optimizer(staging)
+            meta = {
+                "step": self.step,
+                "order": self.order,
+                "rng": self.rng.bit_generator.state,
+                "backend": self.config.backend,
+                "steps": self.config.steps,
+            }
+            (staging / "trainer.json").write_text(json.dumps(meta))
+        remove_leftovers(path)  # of saves killed before this one
 
     def resume(self, path: Path) -> bool:
+        path = published_directory(path)
         if not (path / "trainer.json").is_file():
             return False
         meta = json.loads((path / "trainer.json").read_text())
