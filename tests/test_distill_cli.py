@@ -199,3 +199,20 @@ def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt
         assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
             proc.stderr
         )
+
+
+def test_a_log_cut_by_hand_is_one_error_line_and_the_run_is_left_alone(checkpoints, prompt_files, resumed, tmp_path):
+    first, _, done = resumed
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    log = run / "log.json"
+    log.write_text(log.read_text()[:40])
+    checkpoint = (run / "checkpoint" / "trainer.json").read_bytes()
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 4, "--temperatures", "0,0.8"]
+    again = distill(checkpoints["llama"], *prompt_files, "--out", run, *flags)
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert len(errors) == 1 and f"{log} is not JSON" in errors[0]
+    assert log.read_text() == (first / "log.json").read_text()[:40]
+    assert (run / "checkpoint" / "trainer.json").read_bytes() == checkpoint

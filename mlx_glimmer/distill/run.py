@@ -87,11 +87,16 @@ def self_written(args, answer: Answerer, tokenizer, data_dir: Path) -> list[str]
     )
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` at `path`, written whole or not at all (a kill leaves the file as it was)."""
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
 def write_prompt_list(path: Path, head: str, items: list[dict]) -> None:
     """`head` (the list's text so far) then `items`, written whole or not at all."""
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(head + "".join(json.dumps(it) + "\n" for it in items))
-    tmp.rename(path)
+    write_whole(path, head + "".join(json.dumps(it) + "\n" for it in items))
 
 
 def follow_up_conversations(
@@ -250,7 +255,10 @@ def train_and_export(
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
     eval_ids = [chat_prompt_ids(tok, p) for p in heldout[: args.eval_prompts]]
     log_path = train_dir / "log.json"
-    log = json.loads(log_path.read_text()) if log_path.is_file() else {"evaluations": []}
+    try:
+        log = json.loads(log_path.read_text()) if log_path.is_file() else {"evaluations": []}
+    except ValueError as e:
+        raise GlimmerError(f"distill: {log_path} is not JSON ({e}); move it aside to start a new log") from None
     log.update(
         command=" ".join(sys.argv),
         answers=len(records),
@@ -280,7 +288,7 @@ def train_and_export(
                 "block_positions_per_second": tr.positions_per_second,
             }
         ]
-        log_path.write_text(json.dumps(log, indent=2))
+        write_whole(log_path, json.dumps(log, indent=2))
         return report.mean
 
     trainer.train(evaluate=evaluate)
@@ -292,7 +300,7 @@ def train_and_export(
         )
     best = export_best(same, train_dir)
     log["exported"] = best
-    log_path.write_text(json.dumps(log, indent=2))
+    write_whole(log_path, json.dumps(log, indent=2))
     print(
         f"[done] exported step {best['step']} (held-out mean acceptance {best['mean_acceptance']:.3f}) to {train_dir / 'drafter'}",
         file=sys.stderr,
