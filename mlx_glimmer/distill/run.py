@@ -94,6 +94,14 @@ def write_whole(path: Path, text: str) -> None:
     tmp.rename(path)
 
 
+def read_log(path: Path) -> dict:
+    """A training run's log.json (a new one when there is none)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {"evaluations": []}
+    except ValueError as e:
+        raise GlimmerError(f"distill: {path} is not JSON ({e}); move it aside to start a new log") from None
+
+
 def write_prompt_list(path: Path, head: str, items: list[dict]) -> None:
     """`head` (the list's text so far) then `items`, written whole or not at all."""
     write_whole(path, head + "".join(json.dumps(it) + "\n" for it in items))
@@ -255,10 +263,7 @@ def train_and_export(
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
     eval_ids = [chat_prompt_ids(tok, p) for p in heldout[: args.eval_prompts]]
     log_path = train_dir / "log.json"
-    try:
-        log = json.loads(log_path.read_text()) if log_path.is_file() else {"evaluations": []}
-    except ValueError as e:
-        raise GlimmerError(f"distill: {log_path} is not JSON ({e}); move it aside to start a new log") from None
+    log = read_log(log_path)
     log.update(
         command=" ".join(sys.argv),
         answers=len(records),
