@@ -307,3 +307,31 @@ def test_torch_features_match_the_mlx_targets(llama_pair, records, tmp_path):
         np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), atol=1e-2, rtol=1e-3)
         assert final_a.shape == final_b.shape == (a.shape[0], llama_pair.target.hidden_size)
         np.testing.assert_allclose(final_b.astype(np.float32), final_a.astype(np.float32), atol=1e-2, rtol=1e-3)
+
+
+def test_features_without_final_states_are_the_same_and_skip_the_layers_after_the_last_captured(
+    llama_pair, records, tmp_path
+):
+    pytest.importorskip("transformers")
+    from mlx_glimmer.distill.features import MLXFeatures, TorchFeatures
+
+    sequences = [r["prompt_ids"] + r["response_ids"] for r in records[:4]]
+    for source in (MLXFeatures(llama_pair.target), TorchFeatures(llama_pair.target_path, dtype="float32")):
+        source.capture((1, 3, 4))
+        both = source(sequences)
+        source.capture((1, 3, 4), final_hidden=False)
+        alone = source(sequences)
+        for (a, final), (b, none) in zip(both, alone):
+            np.testing.assert_array_equal(a, b)
+            assert final is not None and none is None
+    last = source.target.decoder.layers[-1]  # the torch target's layer 5, after the deepest captured (4)
+    calls = []
+    hook = last.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        source(sequences)
+        assert calls == []
+        source.capture((1, 3, 4))
+        source(sequences)
+        assert calls
+    finally:
+        hook.remove()

@@ -53,8 +53,8 @@ class DiesAfter:
         self.source, self.left = source, chunks
         self.name, self.spec, self.chunk = source.name, source.spec, source.chunk
 
-    def capture(self, layer_ids):
-        self.source.capture(layer_ids)
+    def capture(self, layer_ids, final_hidden=True):
+        self.source.capture(layer_ids, final_hidden)
 
     def __call__(self, sequences):
         if self.left == 0:

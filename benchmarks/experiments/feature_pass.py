@@ -2,7 +2,7 @@
 
     python benchmarks/experiments/feature_pass.py [BUNDLE] [--data runs/demo2/data/responses.jsonl] [--answers 256]
         [--sources torch:float32,torch:bfloat16,mlx:float32] [--blas-order torch-first|preload] [--batch-tokens N,...]
-        [--note TEXT]
+        [--teacher on|off|on,off] [--note TEXT]
         [--out benchmarks/experiments/results/feature_pass.json]
 
 Each source computes the features (the outputs of the drafter's target layers, and the final hidden states) of
@@ -13,7 +13,9 @@ file names the CPU, its flags that decide the precision (`avx512_bf16`, `amx_bf1
 and which of the sources `distill --feature-source auto` would time here (`candidate_sources`) measured fastest.
 `--blas-order preload` measures torch's products on the preloaded OpenBLAS (how `distill` ran before it loaded
 OpenBLAS after torch). `--batch-tokens` gives the padded positions per forward (default `distill`'s); with
-several, comma-separated, each source makes one pass at each. Run it with nothing else running.
+several, comma-separated, each source makes one pass at each. `--teacher off` stores no final hidden states, as
+`distill` without `--soft-labels` (the layers after the deepest captured one then never run); `on,off` measures
+both. Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--batch-tokens", default=None, help="padded positions per forward, comma-separated (default distill's)"
     )
+    ap.add_argument("--teacher", default="on", help="store the final hidden states too: on, off or on,off")
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the results file")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "feature_pass.json"))
     args = ap.parse_args(argv)
@@ -67,14 +70,14 @@ def main(argv=None) -> int:
     sizes = [int(x) for x in args.batch_tokens.split(",")] if args.batch_tokens else [BATCH_TOKENS]
     for spec in args.sources.split(","):
         source = make_feature_source(spec, pair.target, pair.target_path)
-        for size in sizes:
+        for size, teacher in [(size, t == "on") for size in sizes for t in args.teacher.split(",")]:
             source.batch_tokens = size
             with tempfile.TemporaryDirectory() as tmp:
-                store = FeatureStore(Path(tmp), pair.target, sequences, layer_ids, source=source, teacher=True)
+                store = FeatureStore(Path(tmp), pair.target, sequences, layer_ids, source=source, teacher=teacher)
                 tic = time.perf_counter()
                 store.ensure(log=sys.stderr)
                 seconds = time.perf_counter() - tic
-            row = {"source": spec, "batch_tokens": size, "seconds": round(seconds, 2)}
+            row = {"source": spec, "batch_tokens": size, "teacher": teacher, "seconds": round(seconds, 2)}
             rows.append(row | {"tokens_per_second": round(tokens / seconds)})
     here = [r for r in rows if r["source"] in candidate_sources() and r["batch_tokens"] == BATCH_TOKENS]
     result = {

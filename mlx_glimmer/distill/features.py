@@ -64,7 +64,9 @@ class FeatureSource(Protocol):
         """For each whole sequence: its [L_i, k*H] float16 features (the layers given to `capture`) and its
         [L_i, H] float16 final hidden states."""
 
-    def capture(self, layer_ids: tuple[int, ...]) -> None: ...
+    def capture(self, layer_ids: tuple[int, ...], final_hidden: bool = True) -> None:
+        """Compute these layers' outputs from now on, and the final hidden states only with `final_hidden` (else
+        each pair's second is None and the layers after the deepest of `layer_ids` need not run)."""
 
 
 class Features(Protocol):
@@ -93,9 +95,11 @@ class MLXFeatures:
     def __init__(self, target: Target, batch_tokens: int = BATCH_TOKENS, chunk: int = CHUNK):
         self.target = target
         self.batch_tokens, self.chunk = batch_tokens, chunk
+        self.final_hidden = True
 
-    def capture(self, layer_ids) -> None:
+    def capture(self, layer_ids, final_hidden: bool = True) -> None:
         self.target.capture(tuple(layer_ids))
+        self.final_hidden = final_hidden
 
     def __call__(self, sequences):
         out: list = [None] * len(sequences)
@@ -103,9 +107,13 @@ class MLXFeatures:
             width = max(len(sequences[i]) for i in group)
             ids = mx.array([sequences[i] + [0] * (width - len(sequences[i])) for i in group], dtype=mx.uint32)
             hidden, feats = self.target.forward_batch(ids)
-            hidden, feats = np.asarray(hidden.astype(mx.float16)), np.asarray(feats.astype(mx.float16))
+            feats = np.asarray(
+                feats.astype(mx.float16)
+            )  # evaluated alone, the layers after the last captured never run
+            hidden = np.asarray(hidden.astype(mx.float16)) if self.final_hidden else None
             for row, i in enumerate(group):
-                out[i] = (feats[row, : len(sequences[i])], hidden[row, : len(sequences[i])])
+                n = len(sequences[i])
+                out[i] = (feats[row, :n], None if hidden is None else hidden[row, :n])
         return out
 
 
@@ -124,17 +132,20 @@ class TorchFeatures:
             target=target_path, use_drafter=False, device="cpu", dtype=getattr(torch, dtype)
         ).target
         self.batch_tokens, self.chunk = batch_tokens, chunk
+        self.final_hidden = True
 
-    def capture(self, layer_ids) -> None:
+    def capture(self, layer_ids, final_hidden: bool = True) -> None:
         self.target.capture(tuple(layer_ids))
+        self.final_hidden = final_hidden
 
     def __call__(self, sequences):
         import torch
 
         out: list = [None] * len(sequences)
         for group in length_groups([len(s) for s in sequences], self.batch_tokens):
-            for i, (f, h) in zip(group, self.target.features([sequences[i] for i in group])):
-                out[i] = (f.to(dtype=torch.float16).numpy(), h.to(dtype=torch.float16).numpy())
+            pairs = self.target.features([sequences[i] for i in group], final_hidden=self.final_hidden)
+            for i, (f, h) in zip(group, pairs):
+                out[i] = (f.to(dtype=torch.float16).numpy(), None if h is None else h.to(dtype=torch.float16).numpy())
         return out
 
 
@@ -341,7 +352,7 @@ class FeatureStore:
 
         if self.done:
             print(f"[features] resuming at sequence {self.done}/{len(self.sequences)}", file=log, flush=True)
-        self.source.capture(tuple(self.layer_ids))
+        self.source.capture(tuple(self.layer_ids), final_hidden=self.hidden is not None)
         total = int(self.offsets[-1])
         bar = tqdm(
             total=total,
@@ -411,7 +422,7 @@ class OnlineFeatures:
         self.lengths = [len(s) for s in sequences]
         self.width = len(self.layer_ids) * target.hidden_size
         self.teacher = teacher
-        self.source.capture(tuple(self.layer_ids))
+        self.source.capture(tuple(self.layer_ids), final_hidden=teacher)
 
     def ensure(self, log=sys.stderr) -> None:
         """Nothing to compute ahead: every step computes its own."""

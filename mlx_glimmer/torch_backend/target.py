@@ -76,6 +76,10 @@ def layer_masks(target, visible):
     return masks
 
 
+class FeaturesRecorded(Exception):
+    """Raised by the deepest captured layer's hook when a `features` pass needs nothing after it."""
+
+
 class TorchTarget:
     sampling = torch_sampling
     memory = NO_MEMORY  # wired limits and clear_cache are MLX-on-Metal settings
@@ -98,6 +102,7 @@ class TorchTarget:
         self.layer_ids: tuple[int, ...] = ()
         self._hooks = []
         self._recording: dict[int, torch.Tensor] | None = None
+        self._stop_after: int | None = None  # the layer whose hook ends a `features` pass without final states
 
     @property
     def hidden_size(self) -> int:
@@ -125,6 +130,8 @@ class TorchTarget:
             def record(module, args, output):
                 if self._recording is not None:
                     self._recording[layer_id] = output[0] if isinstance(output, tuple) else output
+                    if layer_id == self._stop_after:
+                        raise FeaturesRecorded
 
             return record
 
@@ -206,20 +213,27 @@ class TorchTarget:
         return out.last_hidden_state[0], feats
 
     @torch.inference_mode()
-    def features(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def features(
+        self, sequences: list[list[int]], final_hidden: bool = True
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The captured layers' outputs and the final hidden states of several whole sequences in one batched
-        forward: one ([L_i, k*H], [L_i, H]) pair each.
+        forward: one ([L_i, k*H], [L_i, H]) pair each. Without `final_hidden` the forward stops at the deepest
+        captured layer and the second of each pair is None.
 
         Rows are right-padded: under causal attention a real position never sees the padding after it."""
         width = max(len(s) for s in sequences)
         ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences], device=self.device)
-        self._recording = {}
+        self._recording, self._stop_after = {}, None if final_hidden else max(self.layer_ids)
+        hidden = None
         try:
-            hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+            try:
+                hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+            except FeaturesRecorded:
+                pass
             feats = torch.cat([self._recording[i] for i in self.layer_ids], dim=-1)
         finally:
-            self._recording = None
-        return [(feats[r, : len(s)], hidden[r, : len(s)]) for r, s in enumerate(sequences)]
+            self._recording, self._stop_after = None, None
+        return [(feats[r, : len(s)], None if hidden is None else hidden[r, : len(s)]) for r, s in enumerate(sequences)]
 
     def head_rows(self, ids: torch.Tensor):
         """The output head over the vocabulary rows `ids` only (a distilled drafter's draft vocabulary)."""
