@@ -107,9 +107,8 @@ class MLXFeatures:
             width = max(len(sequences[i]) for i in group)
             ids = mx.array([sequences[i] + [0] * (width - len(sequences[i])) for i in group], dtype=mx.uint32)
             hidden, feats = self.target.forward_batch(ids)
-            feats = np.asarray(
-                feats.astype(mx.float16)
-            )  # evaluated alone, the layers after the last captured never run
+            # evaluated alone, the features leave the layers after the deepest captured one unrun
+            feats = np.asarray(feats.astype(mx.float16))
             hidden = np.asarray(hidden.astype(mx.float16)) if self.final_hidden else None
             for row, i in enumerate(group):
                 n = len(sequences[i])
