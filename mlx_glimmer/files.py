@@ -207,6 +207,13 @@ def staged_directory(out: Path, what: str) -> Iterator[Path]:
         raise
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` at `path`, written whole or not at all (a kill leaves the file as it was)."""
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
 def published_directory(out: Path) -> Path:
     """`out`, or, when a kill fell between `publish_directory`'s two renames (`out` then missing), the whole
     directory it had moved aside."""

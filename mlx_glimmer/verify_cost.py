@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Hashable
 
 from .cpu import chip_name
+from .files import write_whole
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds): attention over the context grows with it
 # Measured before the first answer; the widths between are interpolated until rounds measure them. Powers of two:
@@ -195,9 +196,7 @@ def cached_verify_cost(
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".partial")
-            tmp.write_text(json.dumps({**cost.to_dict(), "key": key}))
-            tmp.rename(path)
+            write_whole(path, json.dumps({**cost.to_dict(), "key": key}))
         except OSError:
             pass  # a read-only cache only costs a re-measurement next time
     return cost

@@ -40,6 +40,7 @@ import numpy as np
 from ..batching import BATCH_TOKENS, length_groups
 from ..cpu import native_bfloat16
 from ..errors import GlimmerError
+from ..files import write_whole
 from ..target import Target
 
 
@@ -258,10 +259,16 @@ def stored_sequences(
     directory: Path, lengths: list[int], layer_ids: list[int], source_name: str, teacher: bool = False
 ) -> int:
     """How many of these sequences' features `directory` already holds (0 when `store_mismatch` gives a reason)."""
-    meta_path = Path(directory) / "features.json"
-    if not meta_path.is_file() or store_mismatch(directory, lengths, layer_ids, source_name, teacher) is not None:
+    if store_mismatch(directory, lengths, layer_ids, source_name, teacher) is not None:
         return 0
-    return min(int(json.loads(meta_path.read_text()).get("done", 0)), len(lengths))
+    return stored_count(directory, len(lengths))
+
+
+def stored_count(directory: Path, count: int) -> int:
+    """How many sequences the record in `directory` says are done, at most `count` (0 without a record); only
+    meaningful where `store_mismatch` gives no reason."""
+    meta_path = Path(directory) / "features.json"
+    return min(int(json.loads(meta_path.read_text()).get("done", 0)), count) if meta_path.is_file() else 0
 
 
 def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
@@ -314,10 +321,10 @@ class FeatureStore:
         self.width = len(self.layer_ids) * target.hidden_size
         self.meta_path = self.directory / "features.json"
         self.data_path = self.directory / "features.f16"
-        self.done = stored_sequences(self.directory, self.lengths, self.layer_ids, self.source.name, teacher)
         reason = store_mismatch(self.directory, self.lengths, self.layer_ids, self.source.name, teacher)
         if reason is not None:  # hours of work may go: say so
             print(f"[features] computing {self.directory} anew: {reason}", file=log, flush=True)
+        self.done = 0 if reason is not None else stored_count(self.directory, len(self.lengths))
         # a store that already has the final hidden states keeps them, whether or not this run reads them
         self.teacher = teacher or bool(self.done and json.loads(self.meta_path.read_text()).get("teacher", False))
         rows = max(int(self.offsets[-1]), 1)
@@ -338,9 +345,7 @@ class FeatureStore:
         if self.hidden is not None:
             self.hidden.flush()
         meta = {"layer_ids": self.layer_ids, "lengths": self.lengths, "done": self.done, "source": self.source.name}
-        tmp = self.meta_path.with_suffix(".partial")
-        tmp.write_text(json.dumps({**meta, "teacher": self.teacher}))
-        tmp.rename(self.meta_path)
+        write_whole(self.meta_path, json.dumps({**meta, "teacher": self.teacher}))
 
     def ensure(self, log=sys.stderr) -> None:
         """Compute the features of every sequence not done yet (resumable: saved after every chunk, so a killed

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ..cpu import native_bfloat16
 from ..errors import GlimmerError
+from ..files import write_whole
 from ..paths import DATA_DIR
 from .cli import check_against_target, check_distill_flags, draft_vocab_size, pick_backend, temperatures
 from .data import (
@@ -85,13 +86,6 @@ def self_written(args, answer: Answerer, tokenizer, data_dir: Path) -> list[str]
     return self_instructions(
         answer, tokenizer, prefix, data_dir / "instructions.jsonl", count=args.self_instruct, seed=args.seed
     )
-
-
-def write_whole(path: Path, text: str) -> None:
-    """`text` at `path`, written whole or not at all (a kill leaves the file as it was)."""
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 def read_log(path: Path) -> dict:
