@@ -6,6 +6,7 @@ split refused in one error line."""
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -140,8 +141,10 @@ def test_other_commands_under_mlx_launch_are_refused_in_one_line(checkpoints):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.stdout == ""
     assert len(errors) == 1 and "bench" in errors[0] and "`generate`, `serve`, `chat`" in errors[0], result.stderr
-    # rank 1 leaves without an error of its own: the launcher would stop rank 0 before its line, on a busy machine
-    assert "rank 1" not in result.stderr and "rank 0 exited with code 2" in result.stderr, result.stderr
+    # rank 1 leaves without an error of its own (one would let the launcher stop rank 0 before its line); it may be
+    # stopped by the launcher (-15) once rank 0 has failed, on a busy machine
+    rank1_codes = [int(code) for code in re.findall(r"rank 1 exited with code (-?\d+)", result.stderr)]
+    assert "rank 0 exited with code 2" in result.stderr and all(code <= 0 for code in rank1_codes), result.stderr
 
 
 class SplitServer:
