@@ -562,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         check_launch(args)
         return COMMANDS[args.command](args)
     except GlimmerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from .ranks import error_prefix
+
+        print(f"error: {error_prefix()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

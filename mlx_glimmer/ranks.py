@@ -10,6 +10,7 @@ import functools
 import os
 import random
 import socket
+import time
 
 import mlx.core as mx
 
@@ -19,6 +20,10 @@ from .errors import GlimmerError
 # MLX_RANK; mpirun sets the MPI ones.
 RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 SPLIT_COMMANDS = ("generate", "serve", "chat")  # what runs split across processes; every other command refuses
+# How long a rank other than 0 holds back its error. Every rank gets the same command line, so a wrong flag fails
+# on all of them at about the same moment; the launcher stops the others once one exits with an error, so the
+# lead's line comes alone if the others wait. Seconds, generous for a loaded machine; paid only on an error.
+FOLLOWER_ERROR_WAIT = 5.0
 
 
 def launch_rank() -> int | None:
@@ -50,6 +55,17 @@ def is_lead() -> bool:
     """Whether this process prints: rank 0, or the only process."""
     group = split_group()
     return group is None or group.rank() == 0
+
+
+def error_prefix() -> str:
+    """What goes before this process's `error:` text: nothing in rank 0 or a single process. Another rank of a
+    launcher first waits FOLLOWER_ERROR_WAIT (rank 0, failing the same way, speaks and the launcher stops this
+    one), then names itself: an error only it meets (a file missing on its host) is still said."""
+    rank = launch_rank()
+    if not rank:
+        return ""
+    time.sleep(FOLLOWER_ERROR_WAIT)
+    return f"rank {rank}: "
 
 
 def check_split_command(command: str, extra: str | None = None) -> None:

@@ -21,6 +21,8 @@ from slow_machine import slow_machine_timeout
 from split_generate import PROMPT
 
 import mlx_glimmer
+from mlx_glimmer import ranks
+from mlx_glimmer.cli import main
 from mlx_glimmer.distributed import check_divisible
 from mlx_glimmer.divergence import explain_first_divergence, next_token_logits
 from mlx_glimmer.errors import GlimmerError
@@ -145,6 +147,29 @@ def test_other_commands_under_mlx_launch_are_refused_in_one_line(checkpoints):
     # stopped by the launcher (-15) once rank 0 has failed, on a busy machine
     rank1_codes = [int(code) for code in re.findall(r"rank 1 exited with code (-?\d+)", result.stderr)]
     assert "rank 0 exited with code 2" in result.stderr and all(code <= 0 for code in rank1_codes), result.stderr
+
+
+def test_a_wrong_flag_under_mlx_launch_is_said_once_by_rank_0(checkpoints):
+    """Every rank meets the same wrong flag; rank 0's line comes alone, and the launcher is not left waiting."""
+    result = launch([COMMAND, "generate", checkpoints["muse"], "hi", "--max-tokens", "0"], generations=0)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--max-tokens" in errors[0] and "rank" not in errors[0], result.stderr
+    assert "rank 0 exited with code 2" in result.stderr, result.stderr
+
+
+def test_an_error_only_another_rank_meets_is_said_with_its_rank(monkeypatch, capsys):
+    """A rank other than 0 holds its error back (rank 0 failing alike speaks first and the launcher stops the
+    rest), then says it, naming itself: a file missing on its host alone still shows."""
+    waits = []
+    monkeypatch.setattr(ranks.time, "sleep", waits.append)
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert main(["generate", str(TESTS / "no-such-bundle"), "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: rank 1: ") and waits == [ranks.FOLLOWER_ERROR_WAIT]
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert main(["generate", str(TESTS / "no-such-bundle"), "hi"]) == 2
+    lead = capsys.readouterr().err
+    assert lead.startswith("error: ") and "rank" not in lead
+    assert waits == [ranks.FOLLOWER_ERROR_WAIT]
 
 
 class SplitServer:
