@@ -538,7 +538,8 @@ def check_launch(args) -> None:
     """Under `mlx.launch` only `generate` on MLX, `serve` and `chat` run, the target split across the
     processes; any other command is one error (from rank 0). Asked after the BLAS re-exec: MLX's distributed
     backend starts here, once."""
-    from .ranks import check_split_command, launch_rank
+    from .launcher import launch_rank
+    from .ranks import check_split_command
 
     if launch_rank() is not None:
         torch = args.command == "generate" and args.backend == "torch"
@@ -562,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         check_launch(args)
         return COMMANDS[args.command](args)
     except GlimmerError as e:
-        from .ranks import error_prefix
+        from .launcher import error_prefix
 
         print(f"error: {error_prefix()}{e}", file=sys.stderr)
         return 2

@@ -1,40 +1,21 @@
 """Which process this is under `mlx.launch`, and taking rank 0's values: what a split target's callers need.
 
-Kept apart from `distributed.py` (the split itself, which imports mlx-lm): the command line asks these
-questions before it imports anything heavy.
+Kept apart from `distributed.py` (the split itself, which imports mlx-lm); what the launcher set in the
+environment, asked before MLX is loaded, is `launcher.py`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import random
 import socket
-import time
 
 import mlx.core as mx
 
 from .errors import GlimmerError
+from .launcher import launch_rank
 
-# Where a process learns its rank from the launcher, before MLX is imported: `mlx.launch` (ring, JACCL) sets
-# MLX_RANK; mpirun sets the MPI ones.
-RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 SPLIT_COMMANDS = ("generate", "serve", "chat")  # what runs split across processes; every other command refuses
-# How long a rank other than 0 holds back its error. Every rank gets the same command line, so a wrong flag fails
-# on all of them at about the same moment; the launcher stops the others once one exits with an error, so the
-# lead's line comes alone if the others wait. Seconds, generous for a loaded machine; paid only on an error.
-FOLLOWER_ERROR_WAIT = 5.0
-
-
-def launch_rank() -> int | None:
-    """This process's rank as the launcher set it in the environment; None outside a launcher. Read without
-    starting MLX's distributed backend, which must not start before the command re-executes itself
-    (`blas.py`): the other processes would have connected to the process that is gone."""
-    for name in RANK_ENV:
-        value = os.environ.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return None
 
 
 @functools.cache
@@ -55,17 +36,6 @@ def is_lead() -> bool:
     """Whether this process prints: rank 0, or the only process."""
     group = split_group()
     return group is None or group.rank() == 0
-
-
-def error_prefix() -> str:
-    """What goes before this process's `error:` text: nothing in rank 0 or a single process. Another rank of a
-    launcher first waits FOLLOWER_ERROR_WAIT (rank 0, failing the same way, speaks and the launcher stops this
-    one), then names itself: an error only it meets (a file missing on its host) is still said."""
-    rank = launch_rank()
-    if not rank:
-        return ""
-    time.sleep(FOLLOWER_ERROR_WAIT)
-    return f"rank {rank}: "
 
 
 def check_split_command(command: str, extra: str | None = None) -> None:

@@ -21,7 +21,7 @@ from slow_machine import slow_machine_timeout
 from split_generate import PROMPT
 
 import mlx_glimmer
-from mlx_glimmer import ranks
+from mlx_glimmer import launcher
 from mlx_glimmer.cli import main
 from mlx_glimmer.distributed import check_divisible
 from mlx_glimmer.divergence import explain_first_divergence, next_token_logits
@@ -161,15 +161,15 @@ def test_an_error_only_another_rank_meets_is_said_with_its_rank(monkeypatch, cap
     """A rank other than 0 holds its error back (rank 0 failing alike speaks first and the launcher stops the
     rest), then says it, naming itself: a file missing on its host alone still shows."""
     waits = []
-    monkeypatch.setattr(ranks.time, "sleep", waits.append)
+    monkeypatch.setattr(launcher.time, "sleep", waits.append)
     monkeypatch.setenv("MLX_RANK", "1")
     assert main(["generate", str(TESTS / "no-such-bundle"), "hi"]) == 2
-    assert capsys.readouterr().err.startswith("error: rank 1: ") and waits == [ranks.FOLLOWER_ERROR_WAIT]
+    assert capsys.readouterr().err.startswith("error: rank 1: ") and waits == [launcher.FOLLOWER_ERROR_WAIT]
     monkeypatch.setenv("MLX_RANK", "0")
     assert main(["generate", str(TESTS / "no-such-bundle"), "hi"]) == 2
     lead = capsys.readouterr().err
     assert lead.startswith("error: ") and "rank" not in lead
-    assert waits == [ranks.FOLLOWER_ERROR_WAIT]
+    assert waits == [launcher.FOLLOWER_ERROR_WAIT]
 
 
 class SplitServer:
