@@ -49,11 +49,16 @@ def sandbox_caches() -> None:
 def pytest_configure(config):
     """Run the suite on an optimized BLAS, as the `mlx-glimmer` command does (Linux: re-executes pytest once
     with an OpenBLAS preloaded; elsewhere, or with MLX_GLIMMER_BLAS=reference, nothing happens), with every
-    cache in a temporary folder."""
+    cache in a temporary folder and, in a parallel run, one BLAS thread a process."""
     from mlx_glimmer.blas import reexec_env
     from mlx_glimmer.paths import cache_dir
 
     sandbox_caches()
+    if (config.getoption("numprocesses", None) or 0) > 1:
+        # A parallel run puts a worker on every core, and servers and launched ranks beside them: OpenBLAS threads
+        # beyond a process's share of the cores then wait on each other's time slices at every product (one
+        # server test ran 8x slower so beside a busy process). One thread a process, unless the user set it.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     env = reexec_env(cache_dir() / "blas")
     if env is not None:
         capture = config.pluginmanager.getplugin("capturemanager")
