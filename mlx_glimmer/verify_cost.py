@@ -1,7 +1,7 @@
 """Verify cost: seconds of one target call of each width, per context-length band, on the running device.
 
 Measured when a pair first decodes with `--block-size auto` (`measure_verify_cost`: a few widths, after a short
-context, about a second), cached on disk per bundle, device, dtype, chip and array-library version
+context, a few seconds), cached on disk per bundle, device, dtype, chip and array-library version
 (`calibration_key`, `cached_verify_cost`), and refined online by the rounds the loop runs (`VerifyCost.observe`).
 Every width from 1 to the widest can be verified: a width not measured is interpolated between measured ones
 until rounds of it measure it. The width policy (`block_policy.py`) weighs shapes by it.
@@ -23,12 +23,15 @@ from .files import write_whole
 
 BANDS = (0, 512, 2048, 8192)  # context-length bands (lower bounds): attention over the context grows with it
 # Measured before the first answer; the widths between are interpolated until rounds measure them. Powers of two:
-# the widths a kernel's tiling is most likely to favour, and few enough to time in about a second.
+# the widths a kernel's tiling is most likely to favour, and few enough to time in a few seconds.
 MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32)
 # Weight of a new timing in an average once it has 1 / TIME_WEIGHT samples (before that, all weigh alike): a
 # round timed during a burst of other load moves an estimate by a tenth, and ten rounds of a new speed move it
 # most of the way.
 TIME_WEIGHT = 0.1
+# Timed passes over the widths when a table is measured, each width's best kept: two, so a burst of other load
+# has to span a whole pass to raise a width's cost.
+TIMED_PASSES = 2
 
 
 def band_of(context: int) -> int:
@@ -134,11 +137,14 @@ class VerifyCost:
 
 
 def measure_verify_cost(
-    target, max_width: int, vocab_size: int, contexts=(32,), repeats: int = 1, widths=MEASURED_WIDTHS
+    target, max_width: int, vocab_size: int, contexts=(32,), repeats: int = TIMED_PASSES, widths=MEASURED_WIDTHS
 ) -> VerifyCost:
     """Time target calls of `widths` (up to max_width, which is always measured) after `contexts` tokens, on a
-    cache of its own (nothing else moves). A short prompt's band only: a first answer waits for this, and
-    the other bands are scaled from it until plain rounds there measure them (`VerifyCost.observe`)."""
+    cache of its own (nothing else moves): one pass over the widths to warm their shapes up, then `repeats`
+    passes, each width's best kept. Passes, not a width's runs back to back: a burst of other load then has to
+    last a whole pass to raise a width's cost, where back to back it could price the widest widths out of a
+    table that is cached on disk. A short prompt's band only: a first answer waits for this, and the other
+    bands are scaled from it until plain rounds there measure them (`VerifyCost.observe`)."""
     cost = VerifyCost(max_width)
     chosen = sorted({w for w in widths if w < max_width} | {max_width})
     for context in contexts:
@@ -146,17 +152,19 @@ def measure_verify_cost(
         ids = [(7 + 31 * i) % vocab_size for i in range(context + max_width)]
         hidden, _ = target.forward(target.tokens(ids[:context]), cache, False)
         target.sync(hidden, cache=cache)
-        for width in chosen:
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first run warms up this shape
+        best = dict.fromkeys(chosen, float("inf"))
+        for timed in [False] + [True] * repeats:
+            for width in chosen:
                 tic = time.perf_counter()
                 hidden, _ = target.forward(target.tokens(ids[context : context + width]), cache, False)
                 choice = target.sampling.argmax(target.head(hidden))
                 target.sync(choice, cache=cache)
                 choice.tolist()
-                best = min(best, time.perf_counter() - tic)
+                if timed:
+                    best[width] = min(best[width], time.perf_counter() - tic)
                 target.trim(cache, width)
-            cost.seconds[band_of(context)][width - 1] = best
+        for width, seconds in best.items():
+            cost.seconds[band_of(context)][width - 1] = seconds
     return cost
 
 
@@ -182,7 +190,7 @@ def cached_verify_cost(
     `on_measure` (a callable taking one line) hears when it has to be measured, before it is."""
     path = None
     if directory is not None:
-        name = f"{key}|{max_width}|{MEASURED_WIDTHS}"  # a table of other widths is measured again
+        name = f"{key}|{max_width}|{MEASURED_WIDTHS}|{TIMED_PASSES}"  # a table measured otherwise is measured again
         path = Path(directory) / f"{hashlib.sha256(name.encode()).hexdigest()[:20]}.json"
         if path.is_file():
             try:

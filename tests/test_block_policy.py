@@ -12,6 +12,7 @@ from oracle_drafter import OracleDrafter
 from table_timed import table_timed
 
 import mlx_glimmer
+from mlx_glimmer import verify_cost
 from mlx_glimmer.block_policy import CARRIED_ROUNDS, TREE_WIDTHS, DepthAcceptance, Shape, width_policy
 from mlx_glimmer.cli import main
 from mlx_glimmer.generate import auto_policy
@@ -234,6 +235,49 @@ def test_cost_bands_and_measurement(muse_pair):
     assert cost.measured(6, 0) == pytest.approx((row[3] + row[7]) / 2)  # the widths between are interpolated
     assert all(r == [None] * 8 for r in cost.seconds[1:])  # one context measured
     assert cost.estimate(6, 3000) > 0  # an unmeasured band borrows the nearest measured one
+
+
+class ClockedTarget:
+    """A target whose every call of width w takes w seconds on a clock of its own, ten times that while a burst of
+    other load covers the call (calls are counted from 0, the prefill's first)."""
+
+    def __init__(self, burst: range):
+        self.now, self.calls, self.burst = 0.0, 0, burst
+        self.sampling = self
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def make_cache(self, reserve: int):
+        return None
+
+    def tokens(self, ids):
+        return ids
+
+    def forward(self, tokens, cache, _):
+        self.now += len(tokens) * (10 if self.calls in self.burst else 1)
+        self.calls += 1
+        return tokens, None
+
+    def head(self, hidden):
+        return np.array(hidden[-1:])
+
+    argmax = head
+
+    def sync(self, *_, cache=None):
+        pass
+
+    def trim(self, cache, width):
+        pass
+
+
+def test_a_burst_of_other_load_shorter_than_a_pass_leaves_the_measured_costs_alone(monkeypatch):
+    widths = [w for w in MEASURED_WIDTHS if w < 16] + [16]
+    for start in range(1, 1 + 3 * len(widths)):  # the prefill, a warm-up pass and two timed passes
+        target = ClockedTarget(range(start, start + len(widths) - 1))
+        monkeypatch.setattr(verify_cost, "time", target)
+        row = measure_verify_cost(target, 16, 100, contexts=(8,)).seconds[0]
+        assert [row[w - 1] for w in widths] == widths, f"burst from call {start}"
 
 
 def test_a_generation_with_trees_off_leaves_what_trees_on_learnt(checkpoints):
