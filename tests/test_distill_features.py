@@ -221,6 +221,34 @@ def test_a_run_killed_in_its_feature_pass_and_again_in_training_ends_with_the_sa
     assert max(float(mx.abs(a[k] - b[k]).max()) for k in a if k != "draft_vocab") < 1e-5
 
 
+class Recorded:
+    """A trainer's features, with what the trainer asked of them, in order."""
+
+    def __init__(self, features):
+        self.features, self.calls = features, []
+
+    def __getattr__(self, name):
+        return getattr(self.features, name)
+
+    def rows(self, indices):
+        self.calls.append(("rows", sorted(indices)))
+        return self.features.rows(indices)
+
+    def prefetch(self, indices):
+        self.calls.append(("prefetch", sorted(indices)))
+        self.features.prefetch(indices)
+
+
+def test_each_steps_sequences_are_read_ahead_while_the_step_before_computes(llama_pair, records, tmp_path):
+    trainer = train(llama_pair, records, tmp_path / "run", soft_labels=0.5)  # a store with final hidden states too
+    trainer.features = recorded = Recorded(trainer.features)
+    trainer.train(until=12)
+    assert [kind for kind, _ in recorded.calls] == ["rows", "prefetch"] * 12
+    hinted = [(hint, read) for (_, hint), (_, read) in zip(recorded.calls[1::2], recorded.calls[2::2])]
+    assert all(hint in ([], read) for hint, read in hinted)  # none where a new permutation is drawn first
+    assert sum(hint == read for hint, read in hinted) >= 4
+
+
 def test_online_features_feed_each_step_what_a_store_feeds_it_and_write_nothing(llama_pair, records, tmp_path):
     stored = train(llama_pair, records, tmp_path / "stored", soft_labels=0.5)
     online = train(llama_pair, records, tmp_path / "online", soft_labels=0.5, online_features=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,9 @@ class Features(Protocol):
 
     def rows(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""
+
+    def prefetch(self, indices: list[int]) -> None:
+        """These sequences' `rows` come next: start whatever can start now, and return at once."""
 
 
 # Sequences per chunk: each chunk is sorted by length before it is cut into batches, so a larger chunk pads less
@@ -300,6 +304,11 @@ def choose_feature_source(
     return pick_feature_source(target, target_path, sequences, layer_ids, log=log)
 
 
+def read_map(path: Path) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class FeatureStore:
     def __init__(
         self,
@@ -339,6 +348,7 @@ class FeatureStore:
             if self.teacher
             else None
         )
+        self._hinted: list[tuple[mmap.mmap, int]] | None = None  # read-only maps for `prefetch`, once trained
 
     def _save_meta(self) -> None:
         self.data.flush()
@@ -392,6 +402,23 @@ class FeatureStore:
         """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""
         return [(self.get(i), self.final_hidden(i) if self.hidden is not None else None) for i in indices]
 
+    def prefetch(self, indices: list[int]) -> None:
+        """Ask the OS to read these sequences' rows from disk now, and return at once. A store larger than memory
+        is read a step's sequences at a time; hinted a step ahead, those reads overlap the step before instead
+        of stalling the next one."""
+        if not hasattr(mmap, "MADV_WILLNEED"):  # a platform without the hint reads on demand, as before
+            return
+        if self._hinted is None:
+            self._hinted = [(read_map(self.data_path), self.width * 2)]
+            if self.hidden is not None:
+                self._hinted.append((read_map(self.directory / "teacher.f16"), self.target.hidden_size * 2))
+        for view, row_bytes in self._hinted:
+            for i in indices:
+                if i < self.done:
+                    start, end = int(self.offsets[i]) * row_bytes, int(self.offsets[i + 1]) * row_bytes
+                    start -= start % mmap.PAGESIZE
+                    view.madvise(mmap.MADV_WILLNEED, start, end - start)
+
     def get(self, i: int) -> np.ndarray:
         if i >= self.done:
             raise IndexError(f"features of sequence {i} are not computed yet")
@@ -430,6 +457,9 @@ class OnlineFeatures:
 
     def ensure(self, log=sys.stderr) -> None:
         """Nothing to compute ahead: every step computes its own."""
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Nothing to read ahead: a step computes its sequences' features when it draws them."""
 
     def rows(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """The features [L_i, k*H] and final hidden states [L_i, H] (None without `teacher`) of these sequences."""

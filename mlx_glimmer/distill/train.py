@@ -399,6 +399,12 @@ class Trainer:
             out.append(self.order.pop())
         return out
 
+    def upcoming_indices(self) -> list[int]:
+        """The next step's sequences as `next_indices` will draw them, drawing nothing: none where the permutation
+        ends first (a new one is drawn then)."""
+        n = min(self.config.sequences_per_step, len(self.trained))
+        return self.order[-n:] if len(self.order) >= n else []
+
     def warm_up(self) -> list[int]:
         """Run one batch of every padded context width in the data through `step_fn.warm_up` (a compiled step
         compiles each width once, here rather than in the middle of training); the weights, the optimiser
@@ -431,6 +437,7 @@ class Trainer:
         tic, losses, positions = time.perf_counter(), [], 0.0
         while self.step < min(c.steps, until or c.steps):
             batch = self.batch(self.next_indices())
+            self.features.prefetch(self.upcoming_indices())  # read while this step computes
             losses.append(self.step_fn(batch))
             positions += batch.positions
             self.step += 1
