@@ -1,7 +1,7 @@
 """Training throughput: supervised block positions per second of `distill`'s step, by backend, precision and depth.
 
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
-        [--anchors N] [--features stored,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
+        [--anchors N] [--features stored,stored-unhinted,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
         [--out benchmarks/experiments/results/train_step_rate.json]
 
 RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
@@ -11,7 +11,9 @@ results file spells the recipe out),
 compiles its step for every context width first (`[compile]`, outside the timer, its seconds recorded), then the
 configurations take turns, `--steps` optimiser steps each per round, so that load from elsewhere hits all alike.
 With `--features online` the batch's features are computed as `distill --features online` computes them (by the
-store's source), so each row gives the step alone and the step with the making of its batch.
+store's source), so each row gives the step alone and the step with the making of its batch. A store is read as
+`distill` reads it, the next step's rows hinted to the OS while a step computes; `stored-unhinted` reads it without
+the hint (each configuration draws sequences of its own, so one's reads do not warm the page cache for another).
 The BLAS is loaded as `distill` loads it (torch first, then OpenBLAS for MLX). The results file names the CPU, its
 flags that decide the precision, and the precision `--train-precision auto` picks here. Run it with nothing else
 running, or say in `--note` what ran.
@@ -45,7 +47,11 @@ def main(argv=None) -> int:
         default=TrainConfig.anchors,
         help="blocks per answer per step (default: distill's)",
     )
-    ap.add_argument("--features", default="stored", help="stored and/or online, comma-separated")
+    ap.add_argument(
+        "--features",
+        default="stored",
+        help="stored, stored-unhinted (a store read without the next step's read-ahead) and/or online, comma-separated",
+    )
     ap.add_argument(
         "--tags", default=None, help="the answers of these tags only, as the run's --temperatures kept (default all)"
     )
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
     source = make_feature_source(stored, pair.target, pair.target_path)
     mask = pick_mask_token(pair.tokenizer)
 
-    trainers, compile_s = {}, {}
+    trainers, compile_s, hinted = {}, {}, {}
     for layers in [int(x) for x in args.layers.split(",")]:
         for spec in args.configs.split(","):
             for mode in args.features.split(","):
@@ -93,6 +99,7 @@ def main(argv=None) -> int:
                     backend=backend,
                     precision=precision or "float32",
                     steps=10**6,
+                    seed=len(trainers),  # each its own sequences: one's reads do not warm the page cache for another
                 )
                 work = Path(tempfile.mkdtemp())
                 (work / "features").symlink_to(features.resolve())
@@ -105,6 +112,7 @@ def main(argv=None) -> int:
                     feature_source=source,
                     online_features=mode == "online",
                 )
+                hinted[f"{layers} layers, {spec}, features {mode}"] = mode != "stored-unhinted"
                 trainer.features.ensure()  # a store cut short by a kill is finished first, as `distill` would
                 name = f"{layers} layers, {spec}, features {mode}"
                 tic = time.perf_counter()
@@ -119,6 +127,8 @@ def main(argv=None) -> int:
             for _ in range(args.steps):
                 tic = time.perf_counter()
                 batch = trainer.batch(trainer.next_indices())
+                if hinted[name]:  # as `Trainer.train` does: the next step's rows are read while this one computes
+                    trainer.features.prefetch(trainer.upcoming_indices())
                 mid = time.perf_counter()
                 trainer.step_fn(batch)
                 totals[name][1] += time.perf_counter() - mid
