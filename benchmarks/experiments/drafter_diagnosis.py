@@ -438,18 +438,17 @@ def teacher_forced(tr, records, forward: str, label: str) -> tuple[Tally, float]
 # (d): the runtime drafter, teacher-forced
 
 
-def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tally:
+def each_anchor(pair, answers: list[dict], label: str):
+    """For each held-out answer and every anchor a in it: (answer, a, sequence), with the runtime drafter's
+    context on the true prefix before a, the target's features computed as the loop computes them (prompt
+    prefill, then B tokens per forward)."""
     import mlx.core as mx
-    import numpy as np
 
     from mlx_glimmer.decode_state import ROLLBACK_SLACK
-    from mlx_glimmer.settings import SamplingParams
 
     target, drafter = pair.target, pair.drafter
     B = drafter.block_size
-    vocab = set(np.array(drafter.draft_vocab).tolist()) if drafter.draft_vocab is not None else None
     target.capture(drafter.target_layer_ids)
-    tally, params = Tally(B - 1), SamplingParams()
     tic = time.perf_counter()
     for n, ans in enumerate(answers):
         seq = ans["prompt_ids"] + ans["response_ids"]
@@ -465,19 +464,32 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
         feats = mx.concatenate(feats, axis=0)
         drafter.reset()
         drafter.observe(seq[:lp], feats[:lp])
-        padded = np.array(seq + [0] * B)
         for a in range(lp, T - 1):
-            draft, _ = drafter.propose(seq[a], B - 1, params, None)
-            pred = np.array(draft).astype(np.int64)
-            pos = a + np.arange(1, B)
-            present = pos < T
-            true = np.where(present, padded[pos], -1)
-            supervised = present & np.array([vocab is None or int(t) in vocab for t in true])
-            tally.add((ans["index"], ans["tag"], a), ans["tag"], pred, true, present, supervised)
+            yield ans, a, seq
             drafter.observe([seq[a]], feats[a : a + 1])
         print(
             f"[{label}] {n + 1}/{len(answers)} answers ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True
         )
+
+
+def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tally:
+    import numpy as np
+
+    from mlx_glimmer.settings import SamplingParams
+
+    drafter = pair.drafter
+    B = drafter.block_size
+    vocab = set(np.array(drafter.draft_vocab).tolist()) if drafter.draft_vocab is not None else None
+    tally, params = Tally(B - 1), SamplingParams()
+    for ans, a, seq in each_anchor(pair, answers, label):
+        T = len(seq)
+        draft, _ = drafter.propose(seq[a], B - 1, params, None)
+        pred = np.array(draft).astype(np.int64)
+        pos = a + np.arange(1, B)
+        present = pos < T
+        true = np.where(present, np.array(seq + [0] * B)[pos], -1)
+        supervised = present & np.array([vocab is None or int(t) in vocab for t in true])
+        tally.add((ans["index"], ans["tag"], a), ans["tag"], pred, true, present, supervised)
     return tally
 
 
