@@ -364,7 +364,7 @@ def calibrate(
     on_measure: Callable[[str], None] | None = None,
 ) -> None:
     """Have the verify cost `auto` needs for `settings` ready now. The first run on a machine times a few
-    widths (about a second on the demo pair); a caller that shows progress calls this after loading and
+    widths (two passes over them after a warm-up); a caller that shows progress calls this after loading and
     passes `on_measure`, which hears one line before any timing starts. Without it, the first generation
     measures silently. `on_measure` also hears, in one line, why draft trees are off where the drafter could
     seed them but the target cannot verify them (`TargetModel.tree_unsupported`), or where a tree of N nodes
