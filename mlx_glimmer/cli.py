@@ -50,6 +50,8 @@ JSON_FIELDS = (
     "accepted_depths",
     "mean_accepted_depth",
     "accepted_from",
+    "draft_s",
+    "verify_s",
 )
 
 

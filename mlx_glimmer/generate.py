@@ -17,6 +17,8 @@ Timing definitions (the JSON fields of `mlx-glimmer generate --json`):
     tree_rounds                 target calls that verified a draft tree rather than a chain
     accepted_from               rounds by who proposed the accepted path: "model", "lookup" (n-gram
                                 matches) or "both" (shared nodes); rounds that kept no draft are not counted
+    draft_s, verify_s           the rounds' seconds from one host read to the next, split: proposing and
+                                launching the draft; the rest (the verify, its read, the loop's host work)
     peak_memory_gb              MLX's peak; on torch CUDA's peak allocation, MPS's driver allocation,
                                 or on CPU the process's peak resident size
     logprobs                    with `--logprobs K` only: per generated token {token, logprob, top: [{token,

@@ -53,6 +53,7 @@ def test_generate_json_prints_the_documented_object(bundle, muse_pair):
     assert sum(out["acceptance_lengths"]) + 1 == n + stopped
     assert len(out["acceptance_lengths"]) == out["target_forwards"]
     assert out["mean_acceptance"] == pytest.approx(sum(out["acceptance_lengths"]) / out["target_forwards"])
+    assert out["draft_s"] > 0 and out["verify_s"] > 0  # the rounds' time, split
     ref = mlx_glimmer.generate(muse_pair, "Hello there", max_tokens=40, speculative=False)
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
