@@ -70,8 +70,9 @@ def main(argv=None) -> int:
         "shipped_drafter": {"size": int(len(shipped)), "heldout": share(shipped)},
         "by_size": {},
     }
+    mask = pick_mask_token(pair.tokenizer)
     for size in (int(s) for s in args.sizes.split(",")):
-        vocab, coverage = draft_vocabulary(records, pick_mask_token(pair.tokenizer), size)
+        vocab, coverage = draft_vocabulary(records, mask, size)
         results["by_size"][str(size)] = {"training": round(coverage, 4), "heldout": share(vocab)}
         print(f"{size}: training {coverage:.4f}, held-out {results['by_size'][str(size)]['heldout']:.4f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -439,10 +439,12 @@ def teacher_forced(tr, records, forward: str, label: str) -> tuple[Tally, float]
 
 
 def each_anchor(pair, answers: list[dict], label: str):
-    """For each held-out answer and every anchor a in it: (answer, a, sequence), with the runtime drafter's
-    context on the true prefix before a, the target's features computed as the loop computes them (prompt
+    """For each held-out answer and every anchor a in it: (answer, a, tokens), the tokens the answer's prompt and
+    answer then B zeros (a block's labels past the end read them), with the runtime drafter's context on the true
+    prefix before a, the target's features computed as the loop computes them (prompt
     prefill, then B tokens per forward)."""
     import mlx.core as mx
+    import numpy as np
 
     from mlx_glimmer.decode_state import ROLLBACK_SLACK
 
@@ -464,8 +466,9 @@ def each_anchor(pair, answers: list[dict], label: str):
         feats = mx.concatenate(feats, axis=0)
         drafter.reset()
         drafter.observe(seq[:lp], feats[:lp])
+        padded = np.array(seq + [0] * B)
         for a in range(lp, T - 1):
-            yield ans, a, seq
+            yield ans, a, padded
             drafter.observe([seq[a]], feats[a : a + 1])
         print(
             f"[{label}] {n + 1}/{len(answers)} answers ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True
@@ -481,13 +484,12 @@ def inference_teacher_forced(pair, answers: list[dict], label: str = "d") -> Tal
     B = drafter.block_size
     vocab = set(np.array(drafter.draft_vocab).tolist()) if drafter.draft_vocab is not None else None
     tally, params = Tally(B - 1), SamplingParams()
-    for ans, a, seq in each_anchor(pair, answers, label):
-        T = len(seq)
-        draft, _ = drafter.propose(seq[a], B - 1, params, None)
+    for ans, a, padded in each_anchor(pair, answers, label):
+        draft, _ = drafter.propose(int(padded[a]), B - 1, params, None)
         pred = np.array(draft).astype(np.int64)
         pos = a + np.arange(1, B)
-        present = pos < T
-        true = np.where(present, np.array(seq + [0] * B)[pos], -1)
+        present = pos < len(padded) - B
+        true = np.where(present, padded[pos], -1)
         supervised = present & np.array([vocab is None or int(t) in vocab for t in true])
         tally.add((ans["index"], ans["tag"], a), ans["tag"], pred, true, present, supervised)
     return tally

@@ -1,8 +1,8 @@
 """Training throughput: supervised block positions per second of `distill`'s step, by backend, precision and depth.
 
     python benchmarks/experiments/train_step_rate.py [RUN] [--layers 2,4] [--configs torch:bfloat16,torch:float32]
-        [--anchors N] [--features stored,stored-unhinted,online] [--tags greedy,followup] [--steps 20] [--rounds 3] [--note TEXT]
-        [--out benchmarks/experiments/results/train_step_rate.json]
+        [--anchors N] [--features stored,stored-unhinted,online] [--tags greedy,followup] [--steps 20] [--rounds 3]
+        [--note TEXT] [--out benchmarks/experiments/results/train_step_rate.json]
 
 RUN is a `distill` run whose answers (RUN/data/responses.jsonl) and feature store (RUN/features; finished first
 if a kill cut it short) the steps read, as `distill --train-only` would (default: runs/demo2). Each configuration
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
                     feature_source=source,
                     online_features=mode == "online",
                 )
-                hinted[f"{layers} layers, {spec}, features {mode}"] = mode != "stored-unhinted"
                 trainer.features.ensure()  # a store cut short by a kill is finished first, as `distill` would
                 name = f"{layers} layers, {spec}, features {mode}"
+                hinted[name] = mode != "stored-unhinted"
                 tic = time.perf_counter()
                 trainer.warm_up()
                 trainer.step_fn(trainer.batch(trainer.next_indices()))  # the first real step: allocations, caches

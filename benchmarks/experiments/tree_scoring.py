@@ -62,15 +62,15 @@ def marginals_at_anchors(pair, answers):
     drafter = pair.drafter
     D = drafter.block_size - 1
     vals, ids, truth, owner = [], [], [], []
-    for ans, a, seq in each_anchor(pair, answers, "marginals"):
-        m = drafter.marginals(seq[a], D)
+    for ans, a, padded in each_anchor(pair, answers, "marginals"):
+        m = drafter.marginals(int(padded[a]), D)
         top = mx.argsort(-m.log_probs, axis=-1)[:, :TOP]
         v = mx.take_along_axis(m.log_probs, top, axis=-1)
         tokens = top if m.vocab is None else m.vocab[top]
         vals.append(np.array(v))
         ids.append(np.array(tokens).astype(np.int64))
         pos = a + np.arange(1, D + 1)
-        truth.append(np.where(pos < len(seq), np.array(seq + [0] * (D + 1))[pos], -1))
+        truth.append(np.where(pos < len(padded) - D - 1, padded[pos], -1))
         owner.append(ans["index"])
     return np.stack(vals), np.stack(ids), np.stack(truth), np.array(owner)
 
