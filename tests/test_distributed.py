@@ -61,6 +61,14 @@ def launch(command: list, generations: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The `error:` lines the ranks wrote, as the launcher relays them. It prints its own coloured `[WARN]` lines
+    in several writes from another thread than the relay, so a rank's line can land inside one of them
+    (`\x1b[33m[WARN] error: ...`): the line is read from its `error:` on."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stderr)
+    return [m.group(0) for m in re.finditer(r"\berror: .*", plain)]
+
+
 def one_json_line(result: subprocess.CompletedProcess) -> dict:
     lines = result.stdout.splitlines()
     assert len(lines) == 1, f"expected one line on stdout, got {len(lines)}:\n{result.stdout[:2000]}\n{result.stderr}"
@@ -140,7 +148,7 @@ def test_generate_under_mlx_launch_prints_one_answer(checkpoints, muse_pair):
 
 def test_other_commands_under_mlx_launch_are_refused_in_one_line(checkpoints):
     result = launch([COMMAND, "bench", checkpoints["muse"]], generations=0)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert result.stdout == ""
     assert len(errors) == 1 and "bench" in errors[0] and "`generate`, `serve`, `chat`" in errors[0], result.stderr
     # rank 1 leaves without an error of its own (one would let the launcher stop rank 0 before its line); it may be
@@ -152,7 +160,7 @@ def test_other_commands_under_mlx_launch_are_refused_in_one_line(checkpoints):
 def test_a_wrong_flag_under_mlx_launch_is_said_once_by_rank_0(checkpoints):
     """Every rank meets the same wrong flag; rank 0's line comes alone, and the launcher is not left waiting."""
     result = launch([COMMAND, "generate", checkpoints["muse"], "hi", "--max-tokens", "0"], generations=0)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and "--max-tokens" in errors[0] and "rank" not in errors[0], result.stderr
     assert "rank 0 exited with code 2" in result.stderr, result.stderr
 
