@@ -216,3 +216,24 @@ def test_a_log_cut_by_hand_is_one_error_line_and_the_run_is_left_alone(checkpoin
     assert len(errors) == 1 and f"{log} is not JSON" in errors[0]
     assert log.read_text() == (first / "log.json").read_text()[:40]
     assert (run / "checkpoint" / "trainer.json").read_bytes() == checkpoint
+
+
+def test_a_feature_store_another_recipe_cannot_read_is_refused_until_asked_to_replace_it(
+    checkpoints, prompt_files, resumed, tmp_path
+):
+    first, _, done = resumed
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    store = {f.name: f.read_bytes() for f in (run / "features").iterdir()}
+    flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 2, "--temperatures", "0,0.8"]
+    flags += ["--train-dir", tmp_path / "two_layers", "--context-layers", 2]
+    refused = distill(checkpoints["llama"], *prompt_files, "--out", run, *flags)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert len(errors) == 1 and str(run / "features") in errors[0] and "--recompute-features" in errors[0], errors
+    assert {f.name: f.read_bytes() for f in (run / "features").iterdir()} == store
+    assert not (tmp_path / "two_layers").exists()
+    replaced = distill(checkpoints["llama"], *prompt_files, "--out", run, *flags, "--recompute-features")
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"computing {run / 'features'} anew: it holds layers" in replaced.stderr

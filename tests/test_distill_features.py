@@ -4,6 +4,7 @@ precision follows what the CPU multiplies in hardware."""
 
 import io
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ from mlx_glimmer.distill.features import (
 from mlx_glimmer.distill.run import train_precision
 from mlx_glimmer.distill.step import TrainConfig
 from mlx_glimmer.distill.train import Trainer, training_sequences
+from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.settings import GenerationSettings
 from mlx_glimmer.speculative import generate_steps
 
@@ -130,7 +132,8 @@ def test_a_store_of_fewer_answers_grows_and_computes_only_the_new_ones(llama_pai
     for i in range(len(sequences)):  # batched with other sequences than in `whole`: rounded a little apart
         np.testing.assert_allclose(grown.get(i).astype(np.float32), whole.get(i).astype(np.float32), atol=2e-2)
         np.testing.assert_allclose(grown.final_hidden(i), whole.final_hidden(i), atol=2e-2)
-    assert FeatureStore(tmp_path / "grown", llama_pair.target, sequences[::-1], LAYERS).done == 0  # other answers
+    other = FeatureStore(tmp_path / "grown", llama_pair.target, sequences[::-1], LAYERS, recompute=True)
+    assert other.done == 0  # other answers
 
 
 def test_a_run_of_fewer_answers_reads_a_grown_store_as_it_is(llama_pair, records, tmp_path):
@@ -150,7 +153,21 @@ def test_a_run_of_fewer_answers_reads_a_grown_store_as_it_is(llama_pair, records
     assert all(np.array_equal(again.get(i), kept[i]) for i in range(len(sequences)))
 
 
-def test_a_store_that_cannot_serve_the_run_is_computed_anew_with_one_line_saying_why(llama_pair, records, tmp_path):
+def test_a_store_that_cannot_serve_the_run_is_refused_and_left_as_it_is(llama_pair, records, tmp_path):
+    sequences = training_sequences(records)
+    FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).ensure(log=io.StringIO())
+    kept = {f.name: f.read_bytes() for f in (tmp_path / "store").iterdir()}
+    for seqs, layers, says in ((sequences[::-1], LAYERS, "other answers"), (sequences, LAYERS[:2], "layers")):
+        with pytest.raises(
+            GlimmerError, match=rf"{re.escape(str(tmp_path / 'store'))} holds features .*{says}.*--recompute-features"
+        ):
+            FeatureStore(tmp_path / "store", llama_pair.target, seqs, layers)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "store").iterdir()} == kept
+
+
+def test_a_store_that_cannot_serve_the_run_is_computed_anew_when_asked_with_one_line_saying_why(
+    llama_pair, records, tmp_path
+):
     sequences = training_sequences(records)
     FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).ensure(log=io.StringIO())
     quiet = io.StringIO()
@@ -165,7 +182,9 @@ def test_a_store_that_cannot_serve_the_run_is_computed_anew_with_one_line_saying
     for (seqs, layers, teacher), reason in cases:
         FeatureStore(tmp_path / "store", llama_pair.target, sequences, LAYERS).ensure(log=io.StringIO())
         log = io.StringIO()
-        store = FeatureStore(tmp_path / "store", llama_pair.target, seqs, layers, teacher=teacher, log=log)
+        store = FeatureStore(
+            tmp_path / "store", llama_pair.target, seqs, layers, teacher=teacher, recompute=True, log=log
+        )
         assert store.done == 0
         assert log.getvalue().count("\n") == 1 and f"computing {tmp_path / 'store'} anew: " in log.getvalue()
         assert reason in log.getvalue()

@@ -208,6 +208,13 @@ def add_distill_parser(sub) -> None:
         "on a CPU with bfloat16 instructions)",
     )
     p.add_argument(
+        "--recompute-features",
+        action="store_true",
+        help="replace a feature store this run cannot read (computed for other answers, other --context-layers, "
+        "by another --feature-source, or without the final hidden states --soft-labels reads). Without it such "
+        "a store is refused in one error line and left as it is: it may hold hours of work",
+    )
+    p.add_argument(
         "--train-precision",
         choices=["auto", "float32", "bfloat16"],
         default="auto",

@@ -57,7 +57,7 @@ def target_features_and_hidden(target: Target, ids: list[int]) -> tuple[mx.array
 
 
 class FeatureSource(Protocol):
-    name: str  # recorded with the features: a store computed by another source is recomputed
+    name: str  # recorded with the features: a store computed by another source does not serve this one
     spec: str  # how --feature-source names it
     chunk: int  # sequences per call
     batch_tokens: int  # padded positions per batched forward
@@ -275,6 +275,15 @@ def stored_count(directory: Path, count: int) -> int:
     return min(int(json.loads(meta_path.read_text()).get("done", 0)), count) if meta_path.is_file() else 0
 
 
+def recorded_done(directory: Path) -> int:
+    """How many sequences the record in `directory` says were computed, whatever they were (0 without a readable
+    record): the work a store that cannot serve a run would lose."""
+    try:
+        return int(json.loads((Path(directory) / "features.json").read_text()).get("done", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def stored_source(directory: Path, lengths: list[int], layer_ids: list[int]) -> str | None:
     """The spec of the source that computed the features `directory` holds for these sequences and layers (None
     when it holds none of them)."""
@@ -318,6 +327,7 @@ class FeatureStore:
         layer_ids: list[int],
         source: FeatureSource | None = None,
         teacher: bool = False,
+        recompute: bool = False,
         log=sys.stderr,
     ):
         self.directory = Path(directory)
@@ -331,7 +341,14 @@ class FeatureStore:
         self.meta_path = self.directory / "features.json"
         self.data_path = self.directory / "features.f16"
         reason = store_mismatch(self.directory, self.lengths, self.layer_ids, self.source.name, teacher)
-        if reason is not None:  # hours of work may go: say so
+        # computed anew for the final hidden states alone, the store keeps serving every run it served
+        lost = reason and store_mismatch(self.directory, self.lengths, self.layer_ids, self.source.name)
+        if lost and not recompute and recorded_done(self.directory):
+            raise GlimmerError(
+                f"distill: {self.directory} holds features this run cannot read ({lost}); --recompute-features "
+                "replaces them, or give the run another --out"
+            )
+        if reason is not None:
             print(f"[features] computing {self.directory} anew: {reason}", file=log, flush=True)
         self.done = 0 if reason is not None else stored_count(self.directory, len(self.lengths))
         # a store that already has the final hidden states keeps them, whether or not this run reads them

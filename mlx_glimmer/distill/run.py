@@ -242,7 +242,6 @@ def train_and_export(
         training_sequences(records),
         context_layer_ids(target, config),
     )
-    train_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
         target,
         records,
@@ -252,7 +251,9 @@ def train_and_export(
         feature_source=source,
         features_dir=out / "features",
         online_features=args.features == "online",
+        recompute_features=args.recompute_features,
     )
+    train_dir.mkdir(parents=True, exist_ok=True)
     if trainer.resume(train_dir / "checkpoint"):
         print(f"[train] resumed at step {trainer.step}", file=sys.stderr)
     eval_ids = [chat_prompt_ids(tok, p) for p in heldout[: args.eval_prompts]]

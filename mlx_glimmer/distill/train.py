@@ -235,6 +235,7 @@ class Trainer:
         feature_source: FeatureSource | None = None,
         features_dir: Path | None = None,
         online_features: bool = False,
+        recompute_features: bool = False,
         log=sys.stderr,
     ):
         self.target = target
@@ -266,7 +267,9 @@ class Trainer:
             self.features = OnlineFeatures(target, self.sequences, layer_ids, feature_source, teacher)
         else:
             directory = Path(features_dir) if features_dir is not None else self.out_dir / "features"
-            self.features = FeatureStore(directory, target, self.sequences, layer_ids, feature_source, teacher, log=log)
+            self.features = FeatureStore(
+                directory, target, self.sequences, layer_ids, feature_source, teacher, recompute_features, log=log
+            )
         self.feature_scale = self._feature_scale(config.context_scale)
         mx.random.seed(config.seed)
         self.model = DFlashModel(self.drafter_config)
