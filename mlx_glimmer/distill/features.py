@@ -271,8 +271,7 @@ def stored_sequences(
 def stored_count(directory: Path, count: int) -> int:
     """How many sequences the record in `directory` says are done, at most `count` (0 without a record); only
     meaningful where `store_mismatch` gives no reason."""
-    meta_path = Path(directory) / "features.json"
-    return min(int(json.loads(meta_path.read_text()).get("done", 0)), count) if meta_path.is_file() else 0
+    return min(recorded_done(directory), count)
 
 
 def recorded_done(directory: Path) -> int:
