@@ -361,10 +361,12 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     summary = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    invocation = "python benchmarks/experiments/drafter_ablation.py " + " ".join(sys.argv[1:])
+    earlier = summary.pop("commands", None) or [c for c in [summary.pop("command", None)] if c]
+    summary["commands"] = [c for c in earlier if c != invocation] + [invocation]  # every run that wrote rows here
     for name in args.arms:
         row = arm(name, args.budget, args.accept_prompts, args.evals)
         summary["rows"] = [r for r in summary["rows"] if (r["arm"], r["steps"]) != (name, row["steps"])] + [row]
-        summary["command"] = "python benchmarks/experiments/drafter_ablation.py " + " ".join(sys.argv[1:])
         out.write_text(json.dumps(summary, indent=2))
         train_loss_shown = row.get("train_loss")
         print(
