@@ -190,15 +190,20 @@ def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt
     no_training = distill(
         checkpoints["llama"], "--out", tmp_path / "c", *prompt_files, "--data-only", "--train-dir", tmp_path / "d"
     )
+    no_store = distill(
+        checkpoints["llama"], "--out", tmp_path / "e", *prompt_files, "--features", "online", "--recompute-features"
+    )
     for proc, needle in (
         (both, "--data-only and --train-only"),
         (nothing, "responses.jsonl"),
         (no_training, "--data-only trains nothing"),
+        (no_store, "--features online keeps none"),
     ):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
             proc.stderr
         )
+    assert not (tmp_path / "e").exists()
 
 
 def test_a_log_cut_by_hand_is_one_error_line_and_the_run_is_left_alone(checkpoints, prompt_files, resumed, tmp_path):

@@ -297,6 +297,9 @@ def check_distill_flags(args) -> None:
         raise GlimmerError("distill: --data-only and --train-only exclude each other")
     if args.train_dir is not None and args.data_only:
         raise GlimmerError("distill: --train-dir names where training writes, and --data-only trains nothing")
+    if args.recompute_features and (args.data_only or args.features == "online"):
+        why = "--data-only computes none" if args.data_only else "--features online keeps none"
+        raise GlimmerError(f"distill: --recompute-features replaces a stored feature store, and {why}")
     if args.train_dir is not None and Path(args.train_dir).exists() and not Path(args.train_dir).is_dir():
         raise GlimmerError(f"distill: --train-dir {args.train_dir}: exists and is not a directory")
     if args.train_tags is not None and not all(
