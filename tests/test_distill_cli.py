@@ -72,6 +72,15 @@ def resumed(checkpoints, answered, tmp_path_factory):
     return run, full, distill(checkpoints["llama"], "--out", run, *prompt_files, *flags)
 
 
+def copy_of_whole_run(resumed, tmp_path):
+    """A copy of the fixture's whole run (answers, features, a trained drafter) for a test to change."""
+    first, _, done = resumed
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    return run
+
+
 def test_answers_resume_after_an_interrupted_append(resumed):
     run, full, again = resumed
     assert sorted((r["index"], r["tag"]) for r in full) == sorted((i, t) for i in range(6) for t in ("greedy", "t0.8"))
@@ -150,10 +159,7 @@ def test_a_warm_start_is_evaluated_before_its_first_step(checkpoints, prompt_fil
 def test_a_second_training_run_in_its_own_train_dir_shares_the_answers_and_features(
     checkpoints, prompt_files, resumed, tmp_path
 ):
-    first, _, done = resumed
-    assert done.returncode == 0, done.stderr
-    run = tmp_path / "run"
-    shutil.copytree(first, run)
+    run = copy_of_whole_run(resumed, tmp_path)
     kept = {p: p.read_bytes() for p in (run / "features" / "features.json", run / "log.json")}
     kept |= {p: p.read_bytes() for p in (run / "drafter").iterdir()}
     flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--init", run / "drafter", "--steps", 2]
@@ -207,10 +213,7 @@ def test_contradictory_or_premature_flags_are_one_error_line(checkpoints, prompt
 
 
 def test_a_log_cut_by_hand_is_one_error_line_and_the_run_is_left_alone(checkpoints, prompt_files, resumed, tmp_path):
-    first, _, done = resumed
-    assert done.returncode == 0, done.stderr
-    run = tmp_path / "run"
-    shutil.copytree(first, run)
+    run = copy_of_whole_run(resumed, tmp_path)
     log = run / "log.json"
     log.write_text(log.read_text()[:40])
     checkpoint = (run / "checkpoint" / "trainer.json").read_bytes()
@@ -219,17 +222,14 @@ def test_a_log_cut_by_hand_is_one_error_line_and_the_run_is_left_alone(checkpoin
     errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
     assert len(errors) == 1 and f"{log} is not JSON" in errors[0]
-    assert log.read_text() == (first / "log.json").read_text()[:40]
+    assert log.read_text() == (resumed[0] / "log.json").read_text()[:40]
     assert (run / "checkpoint" / "trainer.json").read_bytes() == checkpoint
 
 
 def test_a_feature_store_another_recipe_cannot_read_is_refused_until_asked_to_replace_it(
     checkpoints, prompt_files, resumed, tmp_path
 ):
-    first, _, done = resumed
-    assert done.returncode == 0, done.stderr
-    run = tmp_path / "run"
-    shutil.copytree(first, run)
+    run = copy_of_whole_run(resumed, tmp_path)
     store = {f.name: f.read_bytes() for f in (run / "features").iterdir()}
     flags = ["--train-only", "--train-backend", "mlx", *TRAIN_FLAGS, "--steps", 2, "--temperatures", "0,0.8"]
     flags += ["--train-dir", tmp_path / "two_layers", "--context-layers", 2]
