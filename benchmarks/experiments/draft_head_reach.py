@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))  # drafter_diagnosis, beside this script
+sys.path.insert(0, str(Path(__file__).parent))  # drafter_diagnosis and tree_scoring, beside this script
 SHOWN = 4  # positions listed in the results
 
 
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ensure_fast_blas(cache_dir() / "blas")
     import mlx.core as mx
     from drafter_diagnosis import each_anchor, heldout_answers, shown
+    from tree_scoring import chain_committed
 
     import mlx_glimmer
     from mlx_glimmer.demo import demo_bundle
@@ -75,8 +76,8 @@ def main(argv=None) -> int:
         return {
             "accuracy": [round(float(right[:, k].sum() / present[:, k].sum()), 4) for k in range(SHOWN)],
             "outside_draft_vocab": [round(float((~inside[picks[:, k]]).mean()), 4) for k in range(SHOWN)],
-            "chain8_tokens_per_forward": round(float((1 + np.cumprod(right[:, :7], axis=1).sum(axis=1)).mean()), 4),
-            "chain16_tokens_per_forward": round(float((1 + np.cumprod(right, axis=1).sum(axis=1)).mean()), 4),
+            "chain8_tokens_per_forward": round(float(chain_committed(picks[:, :, None], truth, 7).mean()), 4),
+            "chain16_tokens_per_forward": round(float(chain_committed(picks[:, :, None], truth, D).mean()), 4),
         }
 
     results = {
