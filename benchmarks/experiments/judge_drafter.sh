@@ -11,7 +11,7 @@
 #                                                                 of 8: tree against chain
 # and the bundle DRAFTER/../bundle (the demo target with this drafter, float32) that tree_vs_chain reads. NOTE
 # (what else ran on the machine) goes into the tree_vs_chain report. The shipped drafter's figures on the same
-# measures: docs/distill.md ("Where the acceptance bar stands").
+# measures: docs/drafter-research.md ("Where the acceptance bar stands").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 drafter=${1:?usage: judge_drafter.sh DRAFTER NAME [NOTE]}
