@@ -80,16 +80,21 @@ def _gumbel(ops: ArrayOps, positions: Array, seed_words: Array, tokens: Array) -
     return -ops.log(-ops.log(uniform))
 
 
-def gumbel_scores(ops: ArrayOps, probs: Array, noise: Noise) -> Array:
+def gumbel_scores(ops: ArrayOps, probs: Array, noise: Noise, tokens: Array | None = None) -> Array:
     """float32 [n, V]: log `probs` [..., V] (rows flattened in order) plus the noise of row i's position
-    `noise.start + i`. A row's argmax is its sample; a draft judged against these scores as against greedy
-    logits keeps exactly the tokens the target samples."""
+    `noise.start + i`, column j drawing the noise of token j, or of token `tokens[j]` where the columns are a
+    subset of the vocabulary (a drafter's own: its sample is then the token a full-vocabulary sample of the
+    same distribution draws). A row's argmax is its sample; a draft judged against these scores as against
+    greedy logits keeps exactly the tokens the target samples."""
     rows = probs.reshape(-1, probs.shape[-1])
     positions = ops.arange(noise.start, noise.start + rows.shape[0], 1, ops.int64)
-    return ops.log(rows) + gumbel(ops, noise.seed, positions, rows.shape[-1])
+    if tokens is None:
+        return ops.log(rows) + gumbel(ops, noise.seed, positions, rows.shape[-1])
+    return ops.log(rows) + gumbel_of_tokens(ops, noise.seed, positions, tokens.reshape(1, -1))
 
 
-def gumbel_max(ops: ArrayOps, probs: Array, noise: Noise) -> Array:
-    """One token per row of `probs` ([..., V] -> [...], `ArrayOps.index`): row i the sample of the token at
-    position `noise.start + i` (rows flattened in order)."""
-    return ops.argmax(gumbel_scores(ops, probs, noise), -1).reshape(tuple(probs.shape[:-1]))
+def gumbel_max(ops: ArrayOps, probs: Array, noise: Noise, tokens: Array | None = None) -> Array:
+    """One column per row of `probs` ([..., V] -> [...], `ArrayOps.index`): row i the sample of the token at
+    position `noise.start + i` (rows flattened in order), the columns being tokens 0..V-1 or `tokens`
+    (`gumbel_scores`)."""
+    return ops.argmax(gumbel_scores(ops, probs, noise, tokens), -1).reshape(tuple(probs.shape[:-1]))

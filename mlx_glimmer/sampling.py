@@ -45,9 +45,10 @@ def argmax(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def sample(probs: mx.array, where: noise.Noise) -> mx.array:
-    """One token id per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`."""
-    return noise.gumbel_max(MLX_OPS, probs, where)
+def sample(probs: mx.array, where: noise.Noise, tokens: mx.array | None = None) -> mx.array:
+    """One column per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`, its
+    columns the token ids 0..V-1 or `tokens` (a subset of the vocabulary, drawn with those ids' noise)."""
+    return noise.gumbel_max(MLX_OPS, probs, where, tokens)
 
 
 def gumbel_scores(probs: mx.array, where: noise.Noise) -> mx.array:
@@ -55,14 +56,15 @@ def gumbel_scores(probs: mx.array, where: noise.Noise) -> mx.array:
     return noise.gumbel_scores(MLX_OPS, probs, where)
 
 
-def pick(target, logits, params: SamplingParams, where: noise.Noise | None) -> tuple:
-    """One token per row of `logits`: the argmax, or the sample of row i's position `where.start + i` with the
-    filtered distribution it came from. On `target`'s own array library (a `target_model.TargetModel`: its
-    `sampling` ops do the work)."""
+def pick(target, logits, params: SamplingParams, where: noise.Noise | None, tokens=None) -> tuple:
+    """One column per row of `logits`: the argmax, or the sample of row i's position `where.start + i` with the
+    filtered distribution it came from; `tokens`: the token ids of the columns where they are a subset of the
+    vocabulary (the sample draws their noise). On `target`'s own array library (a `target_model.TargetModel`:
+    its `sampling` ops do the work)."""
     if params.greedy:
         return target.sampling.argmax(logits), None
     probs = target.sampling.probabilities(logits, params)
-    return target.sampling.sample(probs, where), probs
+    return target.sampling.sample(probs, where, tokens), probs
 
 
 def spread(probs: mx.array, ids: mx.array, vocab_size: int) -> mx.array:

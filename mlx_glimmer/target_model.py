@@ -17,7 +17,8 @@ class SamplingOps(Protocol):
 
     def probabilities(self, logits: Array, params: SamplingParams) -> Array: ...
     def argmax(self, logits: Array) -> Array: ...
-    def sample(self, probs: Array, where: Noise) -> Array: ...  # row i: the sample of position where.start + i
+    # row i: the sample of position where.start + i; `tokens`: the ids of the columns (default 0..V-1)
+    def sample(self, probs: Array, where: Noise, tokens: Array | None = None) -> Array: ...
     def gumbel_scores(self, probs: Array, where: Noise) -> Array: ...  # log probs + noise: argmax is the sample
     def spread(self, probs: Array, ids: Array, vocab_size: int) -> Array: ...  # [n, len(ids)] -> [n, vocab_size]
     def greedy_verdict(self, draft: Array, target_logits: Array) -> Array: ...  # [accepted, next token], lazy

@@ -2,6 +2,7 @@
 token's position; speculative sampling keeps exactly the drafts the target samples, so it emits the same
 distribution (and, at one seed, the same tokens as plain decoding)."""
 
+import functools
 import itertools
 
 import mlx.core as mx
@@ -103,6 +104,29 @@ def test_a_sample_over_a_subset_of_the_vocabulary_draws_the_full_samples_token_w
     holds = (np.array(subsets) == full[:, None]).any(1)
     assert 0 < holds.sum() < 64
     assert (picked[holds] == full[holds]).all()
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_a_drafter_with_its_own_vocabulary_drafts_the_sample_the_full_vocabulary_draws(backend, checkpoints, tmp_path):
+    """A distilled drafter scores its own vocabulary only; its sample of position p must still draw the noise of
+    the token ids it proposes, so that its draft is the target's own sample wherever their distributions agree."""
+    from mlx_glimmer.torch_backend import load_torch
+
+    vocab = list(range(0, 272, 3))
+    drafter_dir = tc.with_draft_vocab(checkpoints["assistant"], tmp_path / "distilled", vocab)
+    load = mlx_glimmer.load if backend == "mlx" else functools.partial(load_torch, device="cpu")
+    pair = load(target=checkpoints["muse"], drafter=drafter_dir)
+    target, drafter = pair.target, pair.drafter
+    prompt = [256] + list(b"Once upon a time")
+    target.capture(drafter.target_layer_ids)
+    drafter.reset()
+    _, feats = target.forward(target.tokens(prompt), target.make_cache(16), True)
+    drafter.observe(prompt, feats)
+    noise = Noise(7, len(prompt))
+    draft, probs = drafter.propose(prompt[-1], 8, SamplingParams(temperature=1.5), noise)
+    assert probs.shape[-1] == target.vocab_size  # the draft distributions over the whole vocabulary
+    assert set(draft.tolist()) <= set(vocab)
+    assert draft.tolist() == target.sampling.sample(probs, noise).tolist()
 
 
 def test_chi_square_detects_sampling_from_the_drafter():

@@ -1,12 +1,12 @@
 """The torch backend decodes a pair exactly as MLX does, losslessly, from bundles and transformers directories."""
 
 import json
-import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import tiny_checkpoints as tc
 import torch
 from oracle_drafter import OracleDrafter
 
@@ -170,15 +170,8 @@ def test_transformers_own_dflash_assisted_generation_agrees_greedy(torch_pairs):
 
 
 def test_distilled_drafter_proposes_from_its_draft_vocab_like_mlx(tmp_path, checkpoints, muse_pair):
-    from safetensors.numpy import load_file, save_file
-
-    drafter = tmp_path / "distilled"
-    shutil.copytree(checkpoints["assistant"], drafter)
     vocab = np.array(sorted(set(range(0, 272, 3)) | set(PROMPT)), dtype=np.int32)
-    weights = load_file(drafter / "model.safetensors")
-    save_file({**weights, "draft_vocab": vocab}, drafter / "model.safetensors")
-    cfg = json.loads((drafter / "config.json").read_text())
-    (drafter / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": len(vocab)}))
+    drafter = tc.with_draft_vocab(checkpoints["assistant"], tmp_path / "distilled", vocab)
     mlx_pair = mlx_glimmer.load(target=checkpoints["muse"], drafter=drafter)
     torch_pair = load_torch(target=checkpoints["muse"], drafter=drafter, device="cpu")
     assert torch_pair.drafter.draft_vocab.tolist() == vocab.tolist()

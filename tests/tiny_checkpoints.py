@@ -216,3 +216,18 @@ def build_assistant(
     cfg.pop("num_target_layers", None)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def with_draft_vocab(drafter: Path, path: Path, vocab) -> Path:
+    """A copy of `drafter` at `path` that drafts from the token ids `vocab` only, as `distill` exports one."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(drafter, path)
+    vocab = np.asarray(vocab, dtype=np.int32)
+    save_file({**load_file(path / "model.safetensors"), "draft_vocab": vocab}, path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": len(vocab)}))
+    return path

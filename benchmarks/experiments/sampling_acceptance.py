@@ -1,13 +1,14 @@
 """What judging sampled drafts by the positional walk costs against rejection sampling: tokens per target forward.
 
     python benchmarks/experiments/sampling_acceptance.py [--temperatures 0.8,1.0] [--num-prompts 16]
-        [--max-tokens 128] [--seed 7] [--out benchmarks/experiments/results/sampling_acceptance.json]
+        [--max-tokens 128] [--seed 7] [--rules rejection,walk,...]
+        [--out benchmarks/experiments/results/sampling_acceptance.json]
 
 The demo pair (the demo target, the shipped drafter) decodes the first `--num-prompts` held-out prompts (chat
 template) at each temperature, seed `--seed`, block 16 chains and trees of 8 nodes, four ways:
   walk            the shipped rule: a draft is kept where it equals the target's own sample of its position
                   (`noise.py`), the drafter sampling its draft with the same positional noise;
-  walk, own noise the same rule, the drafter sampling with noise of its own (another seed): what sharing the
+  walk (own noise) the same rule, the drafter sampling with noise of its own (another seed): what sharing the
                   noise buys;
   rejection       speculative rejection sampling (Leviathan et al.) on chains, the drafter sampling with noise
                   of its own: the rule the walk replaced (a copy here: the package no longer has it);
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "mlx_glimmer" / "data" / "demo_drafter"
 OWN_NOISE = 0x5BD1E995  # the drafter's own noise: its seed xor this
+RULES = ("rejection", "walk", "walk (own noise)", "tree 8")
 
 
 class DrafterNoise:
@@ -114,9 +116,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--rules", default=",".join(RULES), help=f"comma-separated, of: {', '.join(RULES)}")
     ap.add_argument("--drafter", default=str(SHIPPED))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/experiments/results/sampling_acceptance.json"))
     args = ap.parse_args(argv)
+    rules = args.rules.split(",")
+    if not set(rules) <= set(RULES):
+        ap.error(f"--rules: each of {', '.join(RULES)}")
 
     import mlx_glimmer
     from mlx_glimmer.blas import ensure_fast_blas
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
     rows = [
         measure(pair, prompts, args.max_tokens, float(t), args.seed, how)
         for t in args.temperatures.split(",")
-        for how in ("rejection", "walk", "walk, own noise", "tree 8")
+        for how in rules
     ]
     result = {
         "command": " ".join(["python benchmarks/experiments/sampling_acceptance.py", *(argv or sys.argv[1:])]),

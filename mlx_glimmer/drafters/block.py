@@ -134,7 +134,8 @@ class BlockDrafter(Drafter):
         return Marginals(logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.draft_vocab)
 
     def propose(self, anchor: int, count: int, params, noise):
-        choice, probs = pick(self.target, self.draft_logits(self.block_hidden(anchor, count)[1:]), params, noise)
+        logits = self.draft_logits(self.block_hidden(anchor, count)[1:])
+        choice, probs = pick(self.target, logits, params, noise, self.draft_vocab)
         if self.draft_vocab is None:
             return choice, probs
         if probs is not None:

@@ -45,9 +45,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample(probs: torch.Tensor, where: noise.Noise) -> torch.Tensor:
-    """One token id per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`."""
-    return noise.gumbel_max(torch_ops(probs.device), probs, where)
+def sample(probs: torch.Tensor, where: noise.Noise, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """One column per row of `probs` ([..., V] -> [...]): row i the sample of position `where.start + i`, its
+    columns the token ids 0..V-1 or `tokens` (`mlx_glimmer.sampling.sample`)."""
+    return noise.gumbel_max(torch_ops(probs.device), probs, where, tokens)
 
 
 def gumbel_scores(probs: torch.Tensor, where: noise.Noise) -> torch.Tensor:
