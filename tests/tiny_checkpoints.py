@@ -8,9 +8,12 @@ assistant (DFlash) drafters and a byte-level tokenizer, written with
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.numpy import load_file, save_file
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
@@ -220,11 +223,6 @@ def build_assistant(
 
 def with_draft_vocab(drafter: Path, path: Path, vocab) -> Path:
     """A copy of `drafter` at `path` that drafts from the token ids `vocab` only, as `distill` exports one."""
-    import shutil
-
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
     shutil.copytree(drafter, path)
     vocab = np.asarray(vocab, dtype=np.int32)
     save_file({**load_file(path / "model.safetensors"), "draft_vocab": vocab}, path / "model.safetensors")
