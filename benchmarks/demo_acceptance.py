@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import mlx_glimmer
+from mlx_glimmer.bench import portable_path
 from mlx_glimmer.blas import ensure_fast_blas
 from mlx_glimmer.cpu import cpu_facts
 from mlx_glimmer.demo import demo_bundle
@@ -62,8 +63,8 @@ def main() -> int:
         print(f"{i + 1}/{len(prompts)} acceptance {r.stats.mean_acceptance:.2f}", file=sys.stderr, flush=True)
     per = [r["mean_acceptance"] for r in rows]
     summary = {
-        "bundle": str(pair.target_path.parent),
-        "drafter": str(pair.drafter_path),
+        "bundle": portable_path(pair.target_path.parent),
+        "drafter": portable_path(pair.drafter_path),
         "prompts": len(rows),
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         return 2
 
     import mlx_glimmer
-    from mlx_glimmer.bench import environment
+    from mlx_glimmer.bench import environment, portable_path
     from mlx_glimmer.demo import demo_bundle
     from mlx_glimmer.distill.data import load_prompts
     from mlx_glimmer.generate import encode_prompt
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "note": args.note,
         "environment": environment(pair),
-        "prompts_file": str(prompts_path),
+        "prompts_file": portable_path(prompts_path),
         "prompts": len(rows),
         "max_tokens": args.max_tokens,
         "chat_template": not args.raw,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -140,9 +141,13 @@ def device_name() -> str:
     return f"{chip_name()} ({mx.default_device()})"
 
 
-def home_relative(path) -> str:
-    """A path as a results file records it: under the home folder as `~/...`, so it names no one's machine."""
-    return str(path).replace(str(Path.home()), "~")
+def portable_path(text) -> str:
+    """A path, or a command line naming paths, as a results file records it: relative under the working folder,
+    `~/...` under the home folder, so it names no one's machine."""
+    text, cwd = str(text), Path.cwd()
+    if cwd != Path(cwd.anchor):
+        text = text.replace(f"{cwd}{os.sep}", "")
+    return text.replace(str(Path.home()), "~")
 
 
 def environment(pair) -> dict:
@@ -156,9 +161,9 @@ def environment(pair) -> dict:
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        "target": home_relative(pair.target_path),
+        "target": portable_path(pair.target_path),
         "target_quantization": pair.quantization,
-        "drafter": home_relative(pair.drafter_path) if pair.drafter_path else None,
+        "drafter": portable_path(pair.drafter_path) if pair.drafter_path else None,
         "drafter_kind": pair.drafter.kind if pair.drafter is not None else None,
     }
     try:
@@ -473,7 +478,7 @@ def cmd_bench(args, open_pair) -> int:
         baseline=not args.no_baseline,
         with_lookup=args.with_lookup,
     )
-    report["command"] = home_relative(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
+    report["command"] = portable_path(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
     print(format_table(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

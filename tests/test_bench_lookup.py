@@ -1,6 +1,7 @@
 """`bench --with-lookup` holds the default against prompt lookup alone in the same run, on the same prompts."""
 
 import json
+from pathlib import Path
 
 from mlx_glimmer.cli import main
 
@@ -26,11 +27,19 @@ def test_lookup_alone_runs_beside_the_drafter_and_its_output_equals_plain(tmp_pa
 
 
 def test_results_name_paths_under_home_as_tilde_so_they_name_no_machine():
-    from pathlib import Path
+    from mlx_glimmer.bench import portable_path
 
-    from mlx_glimmer.bench import home_relative
+    assert portable_path(Path.home() / ".cache" / "demo") == str(Path("~") / ".cache" / "demo")
 
-    assert home_relative(Path.home() / ".cache" / "demo") == str(Path("~") / ".cache" / "demo")
+
+def test_results_name_paths_under_the_working_folder_relative_to_it(tmp_path, monkeypatch):
+    from mlx_glimmer.bench import portable_path
+
+    tmp_path = tmp_path.resolve()
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "mlx_glimmer" / "data" / "prompts.jsonl"
+    assert portable_path(prompts) == str(Path("mlx_glimmer") / "data" / "prompts.jsonl")
+    assert portable_path(f"bench --json-out {tmp_path / 'r.json'}") == "bench --json-out r.json"
 
 
 def test_with_lookup_and_prompt_lookup_together_is_one_error_line(capsys):

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_glimmer.bench import environment, home_relative
+from mlx_glimmer.bench import environment, portable_path
 from mlx_glimmer.blas import ensure_fast_blas
 from mlx_glimmer.few_rows import FEW_ROWS, FewRowsEmbedding, FewRowsLinear, transposed_product, use_few_row_products
 from mlx_glimmer.loading import load
@@ -75,7 +75,7 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     report = {
         "command": "python benchmarks/experiments/few_row_products.py"
-        + (f" {home_relative(bundle)}" if args.bundle else "")
+        + (f" {portable_path(bundle)}" if args.bundle else "")
         + f" --rows {args.rows} --rounds {args.rounds}",
         "environment": environment(pair),
         "note": args.note,

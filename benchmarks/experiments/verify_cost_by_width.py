@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mlx_glimmer.bench import environment, home_relative
+from mlx_glimmer.bench import environment, portable_path
 from mlx_glimmer.blas import ensure_fast_blas
 from mlx_glimmer.loading import load
 from mlx_glimmer.paths import cache_dir
@@ -39,7 +39,7 @@ def main() -> int:
     target = pair.target
     report = {
         "command": "python benchmarks/experiments/verify_cost_by_width.py"
-        + (f" {home_relative(bundle)}" if args.bundle else "")
+        + (f" {portable_path(bundle)}" if args.bundle else "")
         + f" --contexts {args.contexts} --repeats {args.repeats}",
         "environment": environment(pair),
         "note": args.note,
