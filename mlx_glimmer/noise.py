@@ -88,8 +88,11 @@ def gumbel_scores(ops: ArrayOps, probs: Array, noise: Noise, tokens: Array | Non
     greedy logits keeps exactly the tokens the target samples."""
     rows = probs.reshape(-1, probs.shape[-1])
     positions = ops.arange(noise.start, noise.start + rows.shape[0], 1, ops.int64)
-    ids = ops.arange(0, rows.shape[-1], 1, ops.int64)[None, :] if tokens is None else tokens.reshape(1, -1)
-    return ops.log(rows) + gumbel_of_tokens(ops, noise.seed, positions, ids)
+    if tokens is None:
+        draws = gumbel(ops, noise.seed, positions, rows.shape[-1])
+    else:
+        draws = gumbel_of_tokens(ops, noise.seed, positions, tokens.reshape(1, -1))
+    return ops.log(rows) + draws
 
 
 def gumbel_max(ops: ArrayOps, probs: Array, noise: Noise, tokens: Array | None = None) -> Array:
