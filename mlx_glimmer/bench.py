@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -141,13 +142,17 @@ def device_name() -> str:
     return f"{chip_name()} ({mx.default_device()})"
 
 
+_PATH_START = r"(?<![^\s='\"])"  # a path begins the text, a word, or a value after = or a quote
+_PATH_END = rf"(?=[{re.escape(os.sep)}\s'\"]|$)"
+
+
 def portable_path(text) -> str:
     """A path, or a command line naming paths, as a results file records it: relative under the working folder,
     `~/...` under the home folder, so it names no one's machine."""
     text, cwd = str(text), Path.cwd()
     if cwd != Path(cwd.anchor):
-        text = text.replace(f"{cwd}{os.sep}", "")
-    return text.replace(str(Path.home()), "~")
+        text = re.sub(_PATH_START + re.escape(f"{cwd}{os.sep}"), "", text)
+    return re.sub(_PATH_START + re.escape(str(Path.home())) + _PATH_END, "~", text)
 
 
 def environment(pair) -> dict:

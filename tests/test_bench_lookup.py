@@ -40,6 +40,8 @@ def test_results_name_paths_under_the_working_folder_relative_to_it(tmp_path, mo
     prompts = tmp_path / "mlx_glimmer" / "data" / "prompts.jsonl"
     assert portable_path(prompts) == str(Path("mlx_glimmer") / "data" / "prompts.jsonl")
     assert portable_path(f"bench --json-out {tmp_path / 'r.json'}") == "bench --json-out r.json"
+    elsewhere = f"/mnt{tmp_path}/r.json"  # holds the working folder's name without being under it
+    assert portable_path(elsewhere) == elsewhere
 
 
 def test_with_lookup_and_prompt_lookup_together_is_one_error_line(capsys):
