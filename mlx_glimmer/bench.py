@@ -155,6 +155,14 @@ def portable_path(text) -> str:
     return re.sub(_PATH_START + re.escape(str(Path.home())) + _PATH_END, "~", text)
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the system has none, as on Windows)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def environment(pair) -> dict:
     import mlx.core as mx
     import mlx_lm
@@ -400,6 +408,12 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json-out", default=None, help="write the JSON report here")
+    p.add_argument(
+        "--note",
+        default=None,
+        help="what else ran on the machine, or anything a reader of the JSON should know (stored as 'note'; the "
+        "load averages before and after the run are stored beside it)",
+    )
     add_drafter_flags(p)
 
 
@@ -464,6 +478,7 @@ def cmd_bench(args, open_pair) -> int:
     if not texts:
         raise GlimmerError(f"bench: --prompts {args.prompts}: no prompts in the file")
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
+    load_before = load_average()
     pair = open_pair(args.bundle, args.drafter, draft_k=args.draft_k, prompt_lookup=args.prompt_lookup)
     widest = widest_width(pair.drafter) if pair.drafter is not None else 1
     if args.sweep_block_size:
@@ -484,6 +499,9 @@ def cmd_bench(args, open_pair) -> int:
         with_lookup=args.with_lookup,
     )
     report["command"] = portable_path(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
+    report["note"] = args.note
+    # runnable processes over 1/5/15 minutes: above the core count, something else shared the CPU with the run
+    report["load_average"] = {"before": load_before, "after": load_average(), "cores": os.cpu_count()}
     print(format_table(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

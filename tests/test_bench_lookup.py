@@ -13,7 +13,7 @@ def test_lookup_alone_runs_beside_the_drafter_and_its_output_equals_plain(tmp_pa
     argv = ["bench", str(checkpoints["llama"]), "--drafter", str(checkpoints["llama_assistant"])]
     argv += ["--prompts", str(prompts), "--num-prompts", "1", "--no-baseline", "--warmup", "1", "--max-tokens", "12"]
     argv += ["--block-sizes", "auto", "--trees", "off", "--with-lookup", "--json-out", str(report)]
-    assert main(argv) == 0
+    assert main([*argv, "--note", "a training run shared the CPU"]) == 0
     table = capsys.readouterr().out
     data = json.loads(report.read_text())
     assert list(data["results"]) == ["plain", "spec_bauto_toff", "lookup"]
@@ -24,6 +24,9 @@ def test_lookup_alone_runs_beside_the_drafter_and_its_output_equals_plain(tmp_pa
     lookup = data["results"]["lookup"]
     assert lookup["mismatches"] == 0 and len(lookup["per_prompt_tokens_per_second"]) == 1
     assert "| lookup |" in table
+    # what else ran, as the caller said and as the load averages around the run show
+    assert data["note"] == "a training run shared the CPU"
+    assert len(data["load_average"]["before"]) == 3 and len(data["load_average"]["after"]) == 3
 
 
 def test_results_name_paths_under_home_as_tilde_so_they_name_no_machine():
