@@ -500,7 +500,8 @@ def cmd_bench(args, open_pair) -> int:
     )
     report["command"] = portable_path(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
     report["note"] = args.note
-    # runnable processes over 1/5/15 minutes: above the core count, something else shared the CPU with the run
+    # runnable threads over 1/5/15 minutes, the run's own included: well above the core count, something else shared
+    # the CPU with the run
     report["load_average"] = {"before": load_before, "after": load_average(), "cores": os.cpu_count()}
     print(format_table(report))
     if args.json_out:
