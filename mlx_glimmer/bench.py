@@ -106,15 +106,18 @@ def spec_methods(block_sizes: list[int | str], trees: list[int | str]) -> list[s
 
 LOOKUP_ALONE = "lookup"  # the method of `--with-lookup`: prompt lookup alone, block size auto, chains
 LOOKUP_DRAFT_K = 10  # its drafts per round at most, as `--prompt-lookup` drafts by default
+OTHER_DRAFTER = "other_drafter"  # the method of `--with-drafter`: the default with another drafter, same target
 
 
 def method_settings(method: str, max_tokens: int) -> GenerationSettings:
-    """The settings a method name stands for: `plain`, `lookup` (its own pair: `lookup_pair`), or
-    `spec_b{width}_t{tree}`."""
+    """The settings a method name stands for: `plain`, `lookup` (its own pair: `lookup_pair`), `other_drafter`
+    (the defaults, its own pair), or `spec_b{width}_t{tree}`."""
     if method == "plain":
         return GenerationSettings(max_tokens=max_tokens, speculative=False)
     if method == LOOKUP_ALONE:
         return GenerationSettings(max_tokens=max_tokens, block_size=AUTO, tree=OFF)
+    if method == OTHER_DRAFTER:
+        return GenerationSettings(max_tokens=max_tokens)
     width, tree = method.removeprefix("spec_b").split("_t")
     return GenerationSettings(
         max_tokens=max_tokens,
@@ -223,6 +226,7 @@ def run_bench(
     warmup: int = 1,
     baseline: bool = True,
     with_lookup: bool = False,
+    other_pair=None,
     log=None,
 ) -> dict:
     from .generate import encode_prompt, verify_costs, width_histogram
@@ -234,12 +238,14 @@ def run_bench(
         )
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     spec = spec_methods(block_sizes, trees)
-    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec + ([LOOKUP_ALONE] if with_lookup else [])
-    pairs = {m: lookup_pair(pair) if m == LOOKUP_ALONE else pair for m in methods}
+    extra = ([LOOKUP_ALONE] if with_lookup else []) + ([OTHER_DRAFTER] if other_pair is not None else [])
+    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec + extra
+    pairs = {m: pair for m in methods} | ({LOOKUP_ALONE: lookup_pair(pair)} if with_lookup else {})
+    pairs |= {OTHER_DRAFTER: other_pair} if other_pair is not None else {}
     results = {m: Measurement(m) for m in methods}
     first_width = [m for m in spec if m.startswith(method_name(block_sizes[0], ""))] if spec else []
     for ids in encoded[:warmup]:
-        for m in first_width + ([LOOKUP_ALONE] if with_lookup else []):  # the first width, each tree setting
+        for m in first_width + extra:  # the first width with each tree setting, and the added methods
             time_ours(pairs[m], ids, method_settings(m, 16))
         time_ours(pair, ids, method_settings("plain", 16))
     for rep in range(repeats):
@@ -267,8 +273,9 @@ def run_bench(
                 flush=True,
             )
     plain = results["plain"].per_prompt_tokens_per_second
+    other = {"other_drafter": portable_path(other_pair.drafter_path)} if other_pair is not None else {}
     return {
-        "environment": environment(pair),
+        "environment": environment(pair) | other,
         "max_tokens": max_tokens,
         "prompts": len(encoded),
         "repeats": repeats,
@@ -315,7 +322,7 @@ def format_table(report: dict) -> str:
             f"{per_token:.3f} |"
         )
     for m, r in res.items():
-        if m.startswith(method_name(AUTO, "")) or m == LOOKUP_ALONE:
+        if m.startswith(method_name(AUTO, "")) or m in (LOOKUP_ALONE, OTHER_DRAFTER):
             lines.append(f"\n{m} verify widths (width: rounds): {r['verify_width_histogram']}")
         if r.get("accepted_from"):
             sources = ", ".join(f"{k} {n}" for k, n in sorted(r["accepted_from"].items()))
@@ -406,6 +413,13 @@ def add_bench_parser(sub) -> None:
         help="also run n-gram prompt lookup alone (as --prompt-lookup --block-sizes auto) as method 'lookup', "
         "interleaved with the others",
     )
+    p.add_argument(
+        "--with-drafter",
+        default=None,
+        metavar="DIR",
+        help="also run the default settings with the drafter in DIR on the same target as method "
+        "'other_drafter', interleaved per prompt with the others: two drafters compared under the same load",
+    )
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.add_argument("--json-out", default=None, help="write the JSON report here")
     p.add_argument(
@@ -455,6 +469,10 @@ def check_bench_flags(args) -> None:
         raise GlimmerError(
             "bench: --with-lookup adds prompt lookup beside the drafter; with --prompt-lookup it is there"
         )
+    if args.with_drafter is not None:
+        from .files import check_model_dir
+
+        check_model_dir(Path(args.with_drafter), "drafter")
     if not Path(args.prompts).is_file():
         raise GlimmerError(f"bench: --prompts {args.prompts}: prompt file not found")
     if args.json_out and Path(args.json_out).is_dir():
@@ -470,6 +488,7 @@ def check_bench_flags(args) -> None:
 def cmd_bench(args, open_pair) -> int:
     from .distill.data import load_prompts
     from .generate import widest_width
+    from .loading import with_drafter
 
     check_bench_flags(args)
     num_prompts = args.num_prompts or (8 if args.full else 3)
@@ -497,6 +516,7 @@ def cmd_bench(args, open_pair) -> int:
         warmup=args.warmup,
         baseline=not args.no_baseline,
         with_lookup=args.with_lookup,
+        other_pair=with_drafter(pair, args.with_drafter) if args.with_drafter is not None else None,
     )
     report["command"] = portable_path(shlex.join(["mlx-glimmer", *sys.argv[1:]]))
     report["note"] = args.note

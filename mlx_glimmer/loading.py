@@ -12,7 +12,7 @@ as well; they are dropped here (we serve the text tower).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -172,3 +172,11 @@ def load(
     mx.eval(tgt.model.parameters())
     guard_trees(tgt, d)
     return Pair(tgt, d, tokenizer, paths.target, drafter_path)
+
+
+def with_drafter(pair: Pair, drafter: str | Path) -> Pair:
+    """`pair`'s target and tokenizer drafting with the drafter in `drafter`, loaded and checked as `load` would
+    (two drafters measured against one target without loading it twice)."""
+    d = load_drafter(Path(drafter), pair.target, pair.tokenizer)
+    guard_trees(pair.target, d)
+    return replace(pair, drafter=d, drafter_path=Path(drafter))
