@@ -109,9 +109,11 @@ def test_split_oracle_rounds_run_long_and_end_at_its_lies(split_runs):
 
 def test_split_auto_rounds_take_the_widths_rank_0_chose(split_runs):
     """Under `auto` the widths follow each process's timings, yet both ranks ran the same rounds (or the answer
-    would not have come): with the oracle, rounds verify drafts, at more than one width."""
+    would not have come, equal to plain: above): with the oracle, rounds verify drafts. Which widths they take
+    follows the machine's timings (under load one width can win every round), so only that drafting rounds ran
+    is asserted here."""
     widths = split_runs["muse"]["oracle_auto_widths"]
-    assert max(widths) > 1 and len(set(widths)) > 1
+    assert max(widths) > 1 and len(widths) < TOKENS
 
 
 def same_or_tie(target, prompt: list[int], reference: list[int], tokens: list[int]) -> None:
