@@ -238,14 +238,14 @@ def run_bench(
         )
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     spec = spec_methods(block_sizes, trees)
-    extra = ([LOOKUP_ALONE] if with_lookup else []) + ([OTHER_DRAFTER] if other_pair is not None else [])
-    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec + extra
-    pairs = {m: pair for m in methods} | ({LOOKUP_ALONE: lookup_pair(pair)} if with_lookup else {})
-    pairs |= {OTHER_DRAFTER: other_pair} if other_pair is not None else {}
+    added = {LOOKUP_ALONE: lookup_pair(pair)} if with_lookup else {}  # methods with a pair of their own
+    added |= {OTHER_DRAFTER: other_pair} if other_pair is not None else {}
+    methods = (["mlx_lm"] if baseline else []) + ["plain"] + spec + list(added)
+    pairs = {m: pair for m in methods} | added
     results = {m: Measurement(m) for m in methods}
     first_width = [m for m in spec if m.startswith(method_name(block_sizes[0], ""))] if spec else []
     for ids in encoded[:warmup]:
-        for m in first_width + extra:  # the first width with each tree setting, and the added methods
+        for m in first_width + list(added):  # the first width with each tree setting, and the added methods
             time_ours(pairs[m], ids, method_settings(m, 16))
         time_ours(pair, ids, method_settings("plain", 16))
     for rep in range(repeats):
@@ -457,7 +457,7 @@ def tree_settings(args) -> list[int | str]:
 
 def check_bench_flags(args) -> None:
     """Every `bench` flag, before anything heavy is imported (the numbers are checked by their argparse types)."""
-    from .files import check_pair_dirs
+    from .files import check_model_dir, check_pair_dirs
     from .flags import check_drafter_flags
 
     check_drafter_flags(args, "bench")
@@ -470,8 +470,6 @@ def check_bench_flags(args) -> None:
             "bench: --with-lookup adds prompt lookup beside the drafter; with --prompt-lookup it is there"
         )
     if args.with_drafter is not None:
-        from .files import check_model_dir
-
         check_model_dir(Path(args.with_drafter), "drafter")
     if not Path(args.prompts).is_file():
         raise GlimmerError(f"bench: --prompts {args.prompts}: prompt file not found")
@@ -480,8 +478,6 @@ def check_bench_flags(args) -> None:
     if args.bundle is not None:
         check_pair_dirs(args.bundle, args.drafter, use_drafter=not args.prompt_lookup)
     elif args.drafter is not None and not args.prompt_lookup:
-        from .files import check_model_dir
-
         check_model_dir(Path(args.drafter), "drafter")
 
 
