@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -33,6 +34,7 @@ from slow_machine import slow_machine_timeout
 
 import mlx_glimmer
 from mlx_glimmer.server.app import ServerState, create_app, model_context
+from mlx_glimmer.server.batch import BatchPolicy
 from mlx_glimmer.server.continuation import Continuation
 from mlx_glimmer.server.run import Finished
 from mlx_glimmer.server.worker import GenerationWorker
@@ -112,14 +114,26 @@ class Served:
                 emit(event)
 
             job.emit = record
-            submit(job)
+            with self.lock:
+                self.held.append(job)
+                if len(self.held) < self.hold:
+                    return
+                jobs, self.held, self.hold = self.held, [], 1
+            for queued in jobs:
+                submit(queued)
 
+        self.lock, self.held, self.hold = threading.Lock(), [], 1
         self.worker.submit = recording
         state = ServerState(self.worker, "tiny", GenerationSettings(max_tokens=MAX_TOKENS), model_context(pair))
         self.client = TestClient(create_app(state), raise_server_exceptions=False)
 
     def post(self, body: dict):
         return self.client.post("/v1/completions", json=body)
+
+    def queue_together(self, n: int) -> None:
+        """The next `n` requests reach the worker at once, whichever order and pace they arrive in: none
+        starts alone before the others wait. The batch policy starts afresh (nothing measured: it batches)."""
+        self.hold, self.worker.policy = n, BatchPolicy()
 
     def answer(self, prompt) -> list[int]:
         return self.answers[tuple(prompt_ids(self.tokenizer, prompt))]
@@ -289,6 +303,7 @@ def test_two_requests_decoded_together_each_continue_their_own_prompt(llama_serv
     short = [256] + list("Le thé est à ".encode()) + [lead]
     for echo, stream in ((False, False), (True, True)):
         llama_served.answers.clear()
+        llama_served.queue_together(2)
         fields = {"max_tokens": 24, "echo": echo, "stream": stream, "logprobs": 2}
         with ThreadPoolExecutor(2) as pool:
             choices = list(pool.map(lambda p: complete(llama_served.post, p, **fields), (long, short)))
