@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# End to end: the demo drafter's data, trainer throughput, training runs, scaling curve, shipping, checks.
+# End to end: the earlier demo drafter's data, trainer throughput, training runs, scaling curve, shipping, checks.
+# It made benchmarks/experiments/drafters/demo-vocab8192, shipped until the current drafter (trained on from it:
+# docs/distill.md, "How the shipped drafter was made"); its ship step puts the best run in that folder.
 # Every step resumes: re-run the script (or one step: STEPS="train curve" benchmarks/experiments/distill_demo.sh).
 # Tuned for the 2-core x86 CPU (AVX-512 bf16/AMX) it was measured on; on a Mac drop the torch-specific flags.
 set -euo pipefail
@@ -52,7 +54,7 @@ if has train; then  # random init vs the target's last two layers, same answers 
   ln -sfn ../demo2/data runs/demo6/data
   ln -sfn ../demo3/features runs/demo6/features
   mlx-glimmer distill --out runs/demo6 "${DATA[@]}" "${TRAIN[@]}" --steps 500 --eval-every 500 \
-    --init mlx_glimmer/data/demo_drafter --train-only
+    --init benchmarks/experiments/drafters/demo-vocab8192 --train-only
   cp runs/demo6/log.json benchmarks/experiments/distill/demo2/run_finetune4.log.json
 fi
 if has throughput; then  # old trainer (c12d381) vs today's, same drafter and answers: all of them (needs run 3's features)
@@ -80,14 +82,17 @@ runs = ["runs/demo2", "runs/demo2-target", "runs/demo3", "runs/demo4", "runs/dem
 print(max(runs, key=lambda r: json.load(open(f"{r}/log.json"))["exported"]["mean_acceptance"]))
 PY
 )
-  rm -rf mlx_glimmer/data/demo_drafter.new
-  cp -r "$best/drafter" mlx_glimmer/data/demo_drafter.new
-  cp "$best/log.json" mlx_glimmer/data/demo_drafter.new/training_log.json
-  rm -rf mlx_glimmer/data/demo_drafter && mv mlx_glimmer/data/demo_drafter.new mlx_glimmer/data/demo_drafter
-  mlx-glimmer demo >/dev/null 2>&1 || true  # a cached demo bundle picks the shipped drafter up on next use
+  dest=benchmarks/experiments/drafters/demo-vocab8192
+  rm -rf "$dest.new"
+  cp -r "$best/drafter" "$dest.new"
+  cp "$best/log.json" "$dest.new/training_log.json"
+  rm -rf "$dest" && mv "$dest.new" "$dest"
 fi
 if has check; then  # held-out acceptance (checked against plain greedy) and speed, default settings
-  python benchmarks/demo_acceptance.py --limit 8 --max-tokens 128 --out benchmarks/results/demo_acceptance_shipped.json
-  python benchmarks/demo_acceptance.py --max-tokens 128 --out benchmarks/results/demo_acceptance_demo5_all.json  # all 75
-  mlx-glimmer bench --full --block-sizes auto,16 --no-baseline --json-out benchmarks/results/bench_demo5_full_cpu.json
+  bundle=runs/demo-vocab8192-bundle
+  [ -d "$bundle" ] || mlx-glimmer convert --target ~/.cache/mlx-glimmer/demo/target \
+    --drafter benchmarks/experiments/drafters/demo-vocab8192 --out "$bundle" --bits 16 --dtype float32
+  python benchmarks/demo_acceptance.py "$bundle" --limit 8 --max-tokens 128 --out benchmarks/results/demo_acceptance_demo5.json
+  python benchmarks/demo_acceptance.py "$bundle" --max-tokens 128 --out benchmarks/results/demo_acceptance_demo5_all.json  # all 75
+  mlx-glimmer bench "$bundle" --full --block-sizes auto,16 --no-baseline --json-out benchmarks/results/bench_demo5_full_cpu.json
 fi
