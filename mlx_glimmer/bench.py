@@ -273,7 +273,7 @@ def run_bench(
                 flush=True,
             )
     plain = results["plain"].per_prompt_tokens_per_second
-    other = {"other_drafter": portable_path(other_pair.drafter_path)} if other_pair is not None else {}
+    other = {OTHER_DRAFTER: portable_path(other_pair.drafter_path)} if other_pair is not None else {}
     return {
         "environment": environment(pair) | other,
         "max_tokens": max_tokens,

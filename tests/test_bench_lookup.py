@@ -58,8 +58,6 @@ def test_another_drafter_that_is_not_there_is_one_error_line(tmp_path, capsys):
 
 
 def test_results_name_paths_under_home_as_tilde_so_they_name_no_machine():
-    from mlx_glimmer.bench import portable_path
-
     assert portable_path(Path.home() / ".cache" / "demo") == str(Path("~") / ".cache" / "demo")
 
 
