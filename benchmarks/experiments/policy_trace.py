@@ -1,9 +1,9 @@
 """What `auto` expected of each shape and what its rounds gave, round by round.
 
-    python benchmarks/experiments/policy_trace.py [BUNDLE] [--first 0] [--count 16] [--max-tokens 128]
-        [--out benchmarks/experiments/results/policy_trace.json]
+    python benchmarks/experiments/policy_trace.py [BUNDLE] [--prompts FILE] [--first 0] [--count 16]
+        [--max-tokens 128] [--out benchmarks/experiments/results/policy_trace.json]
 
-Decodes held-out prompts (chat template, greedy) under the default settings (`auto` widths, trees on) and records,
+Decodes held-out prompts (or those of `--prompts`, a JSONL file as `bench --prompts` reads; chat template, greedy) under the default settings (`auto` widths, trees on) and records,
 for every round the policy chose, the expected committed tokens (E) and predicted seconds (verify + drafting) of
 the shapes it weighed (plain, the chains, each tree budget, the lookup's chains), the shape chosen, and then what
 the round kept and took (the results file keeps, per round, the chosen shape's figures and those of a tree of 8
@@ -94,7 +94,8 @@ def compact(r: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", nargs="?", default=None)
-    ap.add_argument("--first", type=int, default=0, help="the first held-out prompt")
+    ap.add_argument("--prompts", default=str(DATA_DIR / "prompts_heldout.jsonl"), help="a JSONL prompt file")
+    ap.add_argument("--first", type=int, default=0, help="the first prompt")
     ap.add_argument("--count", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/experiments/results/policy_trace.json")
@@ -104,7 +105,7 @@ def main() -> int:
     rounds: list[dict] = []
     traced(rounds)
     per_prompt = []
-    for i, text in enumerate(load_prompts(DATA_DIR / "prompts_heldout.jsonl")[args.first : args.first + args.count]):
+    for i, text in enumerate(load_prompts(Path(args.prompts))[args.first : args.first + args.count]):
         prompt = encode_prompt(pair.tokenizer, [{"role": "user", "content": text}])
         start = len(rounds)
         result = collect(stream_generate(pair, prompt, max_tokens=args.max_tokens))
@@ -117,6 +118,7 @@ def main() -> int:
     report = {
         "cpu": chip_name(),
         "max_tokens": args.max_tokens,
+        "prompt_file": Path(args.prompts).name,
         "prompts": [args.first, args.first + args.count],
         "summary": summary(rounds),
         "per_prompt": per_prompt,

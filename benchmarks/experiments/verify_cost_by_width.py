@@ -20,7 +20,7 @@ from mlx_glimmer.bench import environment, portable_path
 from mlx_glimmer.blas import ensure_fast_blas
 from mlx_glimmer.loading import load
 from mlx_glimmer.paths import cache_dir
-from mlx_glimmer.verify_cost import MEASURED_WIDTHS, measure_verify_cost
+from mlx_glimmer.verify_cost import MEASURED_WIDTHS, band_of, measure_verify_cost
 
 WIDEST = 32
 
@@ -50,7 +50,7 @@ def main() -> int:
         cost = measure_verify_cost(
             target, WIDEST, target.vocab_size, contexts=(context,), repeats=args.repeats, widths=range(1, WIDEST + 1)
         )
-        ms = [round(1000 * s, 2) for s in cost.seconds[0]]
+        ms = [round(1000 * s, 2) for s in cost.seconds[band_of(context)]]
         dearer = [w for w in range(1, WIDEST) if ms[w - 1] > min(ms[w:])]
         report["contexts"][str(context)] = {
             "ms_by_width": {str(w): ms[w - 1] for w in range(1, WIDEST + 1)},
