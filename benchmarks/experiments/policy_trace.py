@@ -3,12 +3,13 @@
     python benchmarks/experiments/policy_trace.py [BUNDLE] [--prompts FILE] [--first 0] [--count 16]
         [--max-tokens 128] [--out benchmarks/experiments/results/policy_trace.json]
 
-Decodes held-out prompts (or those of `--prompts`, a JSONL file as `bench --prompts` reads; chat template, greedy) under the default settings (`auto` widths, trees on) and records,
-for every round the policy chose, the expected committed tokens (E) and predicted seconds (verify + drafting) of
-the shapes it weighed (plain, the chains, each tree budget, the lookup's chains), the shape chosen, and then what
-the round kept and took (the results file keeps, per round, the chosen shape's figures and those of a tree of 8
-and a chain of 8). The summary compares, per shape chosen, the mean E expected with the mean committed, and the seconds
-predicted with the seconds taken: where the model's estimate of a shape is off, and by how much.
+Decodes held-out prompts (or those of `--prompts`, a JSONL file as `bench --prompts` reads; chat template, greedy)
+under the default settings (`auto` widths, trees on) and records, for every round the policy chose, the expected
+committed tokens (E) and predicted seconds (verify + drafting) of the shapes it weighed (plain, the chains, each
+tree budget, the lookup's chains), the shape chosen, and then what the round kept and took (the results file keeps,
+per round, the chosen shape's figures and those of a tree of 8 and a chain of 8). The summary compares, per shape
+chosen, the mean E expected with the mean committed, and the seconds predicted with the seconds taken: where the
+model's estimate of a shape is off, and by how much.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mlx_glimmer.block_policy import Shape, WidthPolicy
 from mlx_glimmer.cpu import chip_name
 from mlx_glimmer.demo import demo_bundle
 from mlx_glimmer.distill.data import load_prompts
+from mlx_glimmer.errors import GlimmerError
 from mlx_glimmer.generate import collect, encode_prompt, stream_generate
 from mlx_glimmer.loading import load
 from mlx_glimmer.paths import DATA_DIR, cache_dir
@@ -100,12 +102,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/experiments/results/policy_trace.json")
     args = ap.parse_args()
+    try:
+        texts = load_prompts(Path(args.prompts))[args.first : args.first + args.count]
+    except GlimmerError as e:
+        raise SystemExit(f"error: --prompts {e}") from None
     ensure_fast_blas(cache_dir() / "blas")
     pair = load(args.bundle or str(demo_bundle()))
     rounds: list[dict] = []
     traced(rounds)
     per_prompt = []
-    for i, text in enumerate(load_prompts(Path(args.prompts))[args.first : args.first + args.count]):
+    for i, text in enumerate(texts):
         prompt = encode_prompt(pair.tokenizer, [{"role": "user", "content": text}])
         start = len(rounds)
         result = collect(stream_generate(pair, prompt, max_tokens=args.max_tokens))
